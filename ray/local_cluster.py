@@ -1,0 +1,223 @@
+"""The embedded default cluster: a Ray head and worker nodes as separate `ray start` processes.
+
+    python ray/local_cluster.py up [--nodes 2] [--cpus-per-node N]
+    python ray/local_cluster.py status
+    python ray/local_cluster.py down
+
+Each node has its own temp dir (and so its own sockets, logs and object store); everything
+listens on 127.0.0.1 only, and Ray's token auth is on: the token lives in
+$DLC_CONFIG/ray_token (mode 0600, outside git) and $DLC_CONFIG/ray-client.env exports what a
+client needs. `down` stops only the processes this cluster started (found by its temp dirs),
+never other Ray clusters on the host (`ray stop` would kill them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = Path(os.environ.get("DLC_CONFIG", "~/.config/dlcluster")).expanduser()
+RAY = str(Path(sys.executable).parent / "ray")
+HOST = "127.0.0.1"
+
+
+def fail(msg: str) -> None:
+    print(f"local_cluster: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def client_env() -> dict[str, str]:
+    """What a client needs, also written to $DLC_CONFIG/ray-client.env for `source`:
+    RAY_AUTH_MODE=token and the token file (made once, mode 0600), and Ray's default working-dir
+    excludes less `.git`, so a job's manifest can record the commit it was trained from."""
+    CONFIG.mkdir(parents=True, exist_ok=True)
+    token = CONFIG / "ray_token"
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ".venv,venv,__pycache__"}
+    (CONFIG / "ray-client.env").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
+    return env
+
+
+def state_file() -> Path:
+    return CONFIG / "local-cluster.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((HOST, port)) == 0
+
+
+def cluster_pids(temp_root: str) -> list[int]:
+    """This cluster's processes: those whose command line names its temp root (GCS, raylets,
+    dashboard, monitors), and all their descendants (workers, agents, job drivers)."""
+    children: dict[int, list[int]] = {}
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+        if temp_root in cmd and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    todo, seen = list(found), set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return sorted(seen)
+
+
+def run_ray(args: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.run([RAY, *args], env={**os.environ, **env}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        fail(f"`ray {args[0]} {args[1]}` failed: {' | '.join(tail)}")
+
+
+def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], timeout: float = 120) -> list[dict]:
+    os.environ.update(env)
+    import ray
+
+    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            nodes = [n for n in ray.nodes() if n["Alive"]]
+            if len(nodes) >= expected:
+                return nodes
+            if time.time() > deadline:
+                fail(f"only {len(nodes)} of {expected} nodes joined within {timeout:.0f} s; "
+                     f"see the logs under the cluster's temp dirs")
+            time.sleep(1)
+    finally:
+        ray.shutdown()
+
+
+def up(a: argparse.Namespace) -> None:
+    if state_file().exists():
+        st = json.loads(state_file().read_text())
+        if cluster_pids(st["temp_root"]):
+            print(f"local cluster already running: {st['dashboard']} ({st['nodes']} nodes); "
+                  f"`make cluster-down` first to change it")
+            return
+        state_file().unlink()
+    for port, what in ((a.port, "GCS (RAY_PORT)"), (a.dashboard_port, "dashboard (DASHBOARD_PORT)")):
+        if port_in_use(port):
+            fail(f"port {port} for the {what} is in use on {HOST}; stop what holds it or pick "
+                 f"another port")
+    if a.nodes < 1:
+        fail(f"--nodes {a.nodes} must be at least 1")
+    cpus = a.cpus_per_node or max(1, (os.cpu_count() or 1) // a.nodes)
+    # The nodes run this virtualenv's Python, and so does a job's `python` entrypoint.
+    env = {**client_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    temp_root = f"/tmp/dlc-{os.getuid()}-{a.port}"
+    shutil.rmtree(temp_root, ignore_errors=True)
+    gcs = f"{HOST}:{a.port}"
+    common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
+              "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
+    print(f"starting head node on {gcs} ({cpus} CPUs)", flush=True)
+    run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
+             "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
+             "--ray-client-server-port", str(free_port()),
+             "--temp-dir", f"{temp_root}/head",
+             *common], env)
+    for i in range(1, a.nodes):
+        print(f"starting worker node {i} ({cpus} CPUs, no GPUs)", flush=True)
+        run_ray(["start", "--address", gcs, "--temp-dir", f"{temp_root}/node{i}",
+                 "--dashboard-agent-listen-port", str(free_port()), "--num-gpus", "0",
+                 *common], env)
+    state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
+             "cpus_per_node": cpus, "temp_root": temp_root}
+    state_file().write_text(json.dumps(state, indent=2) + "\n")
+    nodes = wait_for_nodes(gcs, a.nodes, env)
+    total = sum(n["Resources"].get("CPU", 0) for n in nodes)
+    print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
+          f"{state['dashboard']} (token auth on)")
+    print(f"client auth: source {CONFIG / 'ray-client.env'}")
+
+
+def down(_: argparse.Namespace) -> None:
+    if not state_file().exists():
+        print("no local cluster recorded; nothing to stop")
+        return
+    st = json.loads(state_file().read_text())
+    pids = cluster_pids(st["temp_root"])
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and (pids := cluster_pids(st["temp_root"])):
+            time.sleep(0.3)
+        if not pids:
+            break
+    if pids:
+        fail(f"processes {pids} of the local cluster would not stop")
+    shutil.rmtree(st["temp_root"], ignore_errors=True)
+    state_file().unlink()
+    print(f"local Ray cluster at {st['gcs']} stopped")
+
+
+def status(_: argparse.Namespace) -> None:
+    if not state_file().exists():
+        fail("no local cluster is running; start one with `make cluster-up`")
+    st = json.loads(state_file().read_text())
+    if not cluster_pids(st["temp_root"]):
+        fail(f"the local cluster at {st['gcs']} is recorded but not running; "
+             f"`make cluster-down` then `make cluster-up`")
+    env = client_env()
+    print(f"dashboard / job API: {st['dashboard']}   GCS: {st['gcs']}   auth: token "
+          f"({CONFIG / 'ray-client.env'})")
+    sys.stdout.flush()
+    proc = subprocess.run([RAY, "status", "--address", st["gcs"]], env={**os.environ, **env})
+    sys.exit(proc.returncode)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start the head and worker nodes")
+    u.add_argument("--nodes", type=int, default=int(os.environ.get("NODES", 2)))
+    u.add_argument("--cpus-per-node", type=int, default=int(os.environ.get("CPUS_PER_NODE", 0)),
+                   help="default: this machine's cores / nodes, at least 1")
+    u.add_argument("--object-store-mb", type=int,
+                   default=int(os.environ.get("OBJECT_STORE_MB", 512)))
+    for s in (u,):
+        s.add_argument("--port", type=int, default=int(os.environ.get("RAY_PORT", 6379)))
+        s.add_argument("--dashboard-port", type=int,
+                       default=int(os.environ.get("DASHBOARD_PORT", 8265)))
+    sub.add_parser("down", help="stop the nodes `up` started")
+    sub.add_parser("status", help="nodes and resources")
+    a = p.parse_args()
+    {"up": up, "down": down, "status": status}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Print the cache key of the project's environment, or (--requirements) what it installs.
+
+The key changes exactly when what the environment holds changes: the Python version and the
+pinned requirements in pyproject.toml (runtime + dev).
+"""
+
+import hashlib
+import sys
+import tomllib
+from pathlib import Path
+
+root = Path(__file__).resolve().parents[1]
+project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
+
+if "--requirements" in sys.argv:
+    print(" ".join(reqs))
+else:
+    text = "\n".join([sys.version.split()[0], *reqs])
+    print(hashlib.sha256(text.encode()).hexdigest()[:16])

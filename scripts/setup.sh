@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# make setup: the project's virtualenv at .venv, a link to a cached venv keyed by what it holds
+# (Python version + the pins in pyproject.toml + the Horovod build inputs). The first run
+# builds it (minutes: torch alone is 5.5 GB); every later run with the same key takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
+command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11" >&2; exit 1; }
+
+key=$("$PYTHON" scripts/envkey.py)
+venv="$CACHE/venv-$key"
+
+if [ ! -f "$venv/.complete" ]; then
+  echo "setup: building the environment $venv (first time for this set of pins; several minutes)"
+  rm -rf "$venv"
+  mkdir -p "$CACHE"
+  "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip==25.3
+  reqs=$("$PYTHON" scripts/envkey.py --requirements)
+  # shellcheck disable=SC2086  # one requirement a word, none has spaces
+  "$venv/bin/python" -m pip install --progress-bar off $reqs
+  "$venv/bin/python" -m pip check
+  touch "$venv/.complete"
+fi
+ln -sfn "$venv" .venv
+# Horovod is compiled once per (horovod, torch, patch) and cached as a wheel (scripts/build_horovod.sh).
+if [ -x scripts/build_horovod.sh ]; then scripts/build_horovod.sh .venv; fi
+echo "setup: .venv -> $venv ready"

@@ -1,0 +1,92 @@
+"""The Ray side every job shares: connect, choose CPU or GPU, refuse what the cluster can't run.
+
+A trainer asked for more workers than the cluster has slots waits forever in Ray; `plan_workers`
+checks the cluster's totals first and fails fast with one line instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+DEFAULT_HOME = Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
+
+
+def default_storage() -> str:
+    """Where Ray Train keeps runs and checkpoints: DLC_STORAGE_PATH, else ~/dlcluster/runs.
+
+    On a multi-node cluster this must be storage every node sees (NFS or a cloud URI);
+    `make cluster-up` sets DLC_STORAGE_PATH on the nodes.
+    """
+    return os.environ.get("DLC_STORAGE_PATH") or str(DEFAULT_HOME / "runs")
+
+
+def default_output(name: str) -> Path:
+    """Where a job's verified ONNX model and manifest land: DLC_MODELS/<name>."""
+    return Path(os.environ.get("DLC_MODELS", DEFAULT_HOME / "models")).expanduser() / name
+
+
+def connect() -> dict:
+    """Join the Ray cluster (RAY_ADDRESS, as `ray job submit` sets it) and return its totals."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=True)
+    return ray.cluster_resources()
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    num_workers: int
+    use_gpu: bool
+    cpus_per_worker: float
+
+    def describe(self) -> str:
+        return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
+
+
+def plan_workers(num_workers: int, use_gpu: str, totals: dict,
+                 cpus_per_worker: float = 1.0) -> WorkerPlan:
+    """Check `--num-workers` and `--use-gpu auto|true|false` against the cluster's resources."""
+    if num_workers < 1:
+        raise UserError(f"--num-workers {num_workers} must be at least 1")
+    gpus = int(totals.get("GPU", 0))
+    cpus = totals.get("CPU", 0)
+    if use_gpu == "auto":
+        gpu = gpus >= num_workers
+    elif use_gpu in ("true", "false"):
+        gpu = use_gpu == "true"
+    else:
+        raise UserError(f"--use-gpu {use_gpu!r} must be auto, true or false")
+    nodes = _alive_nodes()
+    if gpu and gpus < num_workers:
+        raise UserError(f"--use-gpu true with --num-workers {num_workers} needs {num_workers} GPUs "
+                        f"but the Ray cluster has {gpus} ({nodes} node(s)); use --use-gpu false "
+                        f"or --num-workers <= {gpus}")
+    need = num_workers * cpus_per_worker
+    if need > cpus:
+        fit = int(cpus // cpus_per_worker)
+        raise UserError(f"--num-workers {num_workers} needs {need:g} CPUs but the Ray cluster has "
+                        f"{cpus:g} in all ({nodes} node(s)); use --num-workers <= {fit} or add nodes")
+    return WorkerPlan(num_workers, gpu, cpus_per_worker)
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def check_batch(batch_size: int, n_train: int, num_workers: int) -> int:
+    """Each worker's share of the training set must hold at least one full batch."""
+    share = n_train // num_workers
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} must be at least 1")
+    if batch_size > share:
+        raise UserError(f"--batch-size {batch_size} is larger than each worker's share of the "
+                        f"training set ({share} samples: {n_train} over {num_workers} workers); "
+                        f"use --batch-size <= {max(share, 1)}, fewer workers or more data")
+    return share

@@ -1,0 +1,179 @@
+"""Image data for the jobs: a folder of images, a video split into frames, or built-in frames.
+
+Everything is checked before training starts (`inspect_frames`), so bad input fails on the driver
+with one line, before any worker starts or any checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".mpg", ".mpeg")
+BUILTIN_FRAMES = 6472  # the tutorial's data set size
+NO_DATA_HINT = "pass --data with a folder of images or a video file, or leave --data out"
+
+
+def parse_size(text: str, multiple: int = 1) -> tuple[int, int]:
+    """'120x160' -> (120, 160): height x width, each a positive multiple of `multiple`."""
+    from .errors import UserError
+
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UserError(f"image size {text!r} is not HEIGHTxWIDTH; use e.g. 120x160") from None
+    if h <= 0 or w <= 0 or h % multiple or w % multiple:
+        raise UserError(
+            f"image size {text} must be positive multiples of {multiple} for this model; "
+            f"use e.g. 120x160"
+        )
+    return h, w
+
+
+# ---------------------------------------------------------------- built-in frames
+def builtin_frames(count: int = BUILTIN_FRAMES, size: tuple[int, int] = (120, 160)) -> np.ndarray:
+    """`count` frames (N x H x W x 3, uint8) of a slow camera pan over real photographs.
+
+    The photographs are the two that scikit-learn ships (`load_sample_images`: a temple in
+    China and a flower), so nothing is downloaded. Like frames of a video, neighbours overlap.
+    """
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    h, w = size
+    per_photo = -(-count // len(photos))
+    frames = []
+    for photo in photos:
+        if photo.shape[0] < h or photo.shape[1] < w:
+            photo = np.asarray(Image.fromarray(photo).resize((max(w, photo.shape[1]), max(h, photo.shape[0]))))
+        rows = int(np.ceil(np.sqrt(per_photo * (photo.shape[0] - h + 1) / (photo.shape[1] - w + 1))))
+        cols = -(-per_photo // rows)
+        ys = np.linspace(0, photo.shape[0] - h, rows).round().astype(int)
+        xs = np.linspace(0, photo.shape[1] - w, cols).round().astype(int)
+        # a raster pan: left to right, then right to left on the next row, like a camera sweep
+        path = [(y, x) for i, y in enumerate(ys) for x in (xs if i % 2 == 0 else xs[::-1])]
+        frames += [photo[y : y + h, x : x + w] for y, x in path[:per_photo]]
+    return np.stack(frames[:count])
+
+
+# ---------------------------------------------------------------- sources on disk
+def list_images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def read_video(path: Path, size: tuple[int, int], limit: int | None = None) -> np.ndarray:
+    """All frames of a video (N x H x W x 3 RGB uint8), resized to `size`."""
+    import cv2
+
+    from .errors import UserError
+
+    cap = cv2.VideoCapture(str(path))
+    frames = []
+    try:
+        while limit is None or len(frames) < limit:
+            ok, bgr = cap.read()
+            if not ok:
+                break
+            rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            frames.append(cv2.resize(rgb, (size[1], size[0]), interpolation=cv2.INTER_AREA))
+    finally:
+        cap.release()
+    if not frames:
+        raise UserError(f"video {path} has no readable frames (corrupt or unsupported codec); "
+                        "convert it to .mp4/.avi or extract its frames to a folder")
+    return np.stack(frames)
+
+
+def load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
+    """One image as H x W x 3 RGB uint8, resized; a corrupt file raises a one-line UserError."""
+    from .errors import UserError
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB").resize((size[1], size[0]), Image.BILINEAR))
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        reason = str(e).split("\n")[0]
+        raise UserError(f"cannot read image {path} ({reason}); remove or replace the file") from None
+
+
+def check_image(path: Path) -> None:
+    """Fully decode one image file; a corrupt or truncated one raises a one-line UserError."""
+    load_image(path, (8, 8))
+
+
+@dataclass(frozen=True)
+class FrameSource:
+    """Where the frames come from, as the driver found it (picklable, sent to the workers)."""
+
+    kind: str  # "builtin" | "folder" | "video"
+    path: str | None
+    count: int
+    size: tuple[int, int]
+
+    def describe(self) -> str:
+        h, w = self.size
+        where = "built-in frames (scikit-learn's sample photographs)" if self.kind == "builtin" else self.path
+        return f"{self.count} {self.kind} frames at {h}x{w} from {where}"
+
+
+def inspect_frames(data: str | None, size: tuple[int, int], limit: int | None = None) -> FrameSource:
+    """Check `--data` on the driver and count its frames; every problem is a one-line UserError."""
+    from .errors import UserError
+
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit {limit} must be at least 1")
+    if data is None:
+        return FrameSource("builtin", None, min(BUILTIN_FRAMES, limit or BUILTIN_FRAMES), size)
+    path = Path(data).expanduser().resolve()
+    if not path.exists():
+        raise UserError(f"data path {path} does not exist; {NO_DATA_HINT} for the built-in frames")
+    if path.is_file():
+        if path.suffix.lower() not in VIDEO_SUFFIXES:
+            raise UserError(f"data path {path} is a file but not a video ({', '.join(VIDEO_SUFFIXES)}); "
+                            f"{NO_DATA_HINT}")
+        return FrameSource("video", str(path), len(read_video(path, size, limit)), size)
+    files = list_images(path)[:limit]
+    if not files:
+        raise UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) found under {path}; {NO_DATA_HINT}")
+    for f in files:
+        check_image(f)
+    return FrameSource("folder", str(path), len(files), size)
+
+
+class FrameDataset(torch.utils.data.Dataset):
+    """Frames as float tensors 3 x H x W in [0, 1]. Folders are read lazily, one image per item."""
+
+    def __init__(self, source: FrameSource):
+        self.source = source
+        self.files: list[Path] = []
+        self.frames: np.ndarray | None = None
+        if source.kind == "builtin":
+            self.frames = builtin_frames(source.count, source.size)
+        elif source.kind == "video":
+            self.frames = read_video(Path(source.path), source.size, source.count)
+        else:
+            self.files = list_images(Path(source.path))[: source.count]
+        if len(self) != source.count:
+            from .errors import UserError
+
+            raise UserError(f"{source.path} changed while training started: expected {source.count} "
+                            f"frames, found {len(self)}; keep the data set fixed during a run")
+
+    def __len__(self) -> int:
+        return len(self.files) if self.frames is None else len(self.frames)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        img = self.frames[i] if self.frames is not None else load_image(self.files[i], self.source.size)
+        return torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).float().div_(255.0)
+
+
+def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A fixed shuffle of range(n) cut into (train, validation); validation has at least 1 item."""
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    n_val = max(1, int(round(n * val_fraction))) if n > 1 else 0
+    return order[n_val:], order[:n_val]

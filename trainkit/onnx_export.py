@@ -1,0 +1,179 @@
+"""Export a trained model to ONNX, check it in onnxruntime against the framework, write a manifest.
+
+Every job ends here: `export_torch` / `export_keras` write `<output>/model.onnx` (one file, dynamic
+batch axis), then `verify_and_publish` runs the held-out batch through onnxruntime, fails above
+the tolerance, and only then replaces any earlier model.onnx + manifest.json in `<output>`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+TOLERANCE = 1e-4
+MODEL_FILE = "model.onnx"
+MANIFEST_FILE = "manifest.json"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ParityError(RuntimeError):
+    """onnxruntime disagrees with the framework beyond the tolerance."""
+
+
+def staging_path(output: Path) -> Path:
+    """Where a new model is written before it is verified (the published one stays until then)."""
+    output.mkdir(parents=True, exist_ok=True)
+    return output / f".{MODEL_FILE}.new"
+
+
+def export_torch(model, example, output: Path, input_name: str = "input",
+                 output_name: str = "output") -> Path:
+    """torch.nn.Module -> ONNX (dynamo exporter, single file, dynamic batch axis)."""
+    import torch
+
+    path = staging_path(output)
+    model = model.eval().cpu()
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    torch.onnx.export(
+        model, (example.cpu(),), str(path), dynamo=True, external_data=False,
+        input_names=[input_name], output_names=[output_name],
+        dynamic_shapes=({0: batch},), verbose=False,
+    )
+    return path
+
+
+def export_keras(model, example: np.ndarray, output: Path, input_name: str = "input",
+                 output_name: str = "output") -> Path:
+    """tf-keras model -> ONNX with tf2onnx (dynamic batch axis)."""
+    import tensorflow as tf
+    import tf2onnx
+
+    path = staging_path(output)
+    spec = (tf.TensorSpec((None, *example.shape[1:]), tf.float32, name=input_name),)
+    tf2onnx.convert.from_keras(model, input_signature=spec, output_path=str(path))
+    return path
+
+
+def onnx_io(path: Path) -> dict:
+    """Opsets and input/output names, shapes (a name for a dynamic axis) and dtypes of a model."""
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+
+    def describe(values):
+        return [{
+            "name": v.name,
+            "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+            "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+        } for v in values]
+
+    return {
+        "opset": {(o.domain or "ai.onnx"): o.version for o in m.opset_import},
+        "inputs": describe(m.graph.input),
+        "outputs": describe(m.graph.output),
+    }
+
+
+def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
+                 tolerance: float = TOLERANCE) -> dict:
+    """Run `inputs` through onnxruntime and compare with the framework's `reference` output.
+
+    Also runs a batch of one, so a batch axis frozen at export time is caught.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    onnx.checker.check_model(str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    got = sess.run(None, {name: inputs.astype(np.float32)})[0]
+    one = sess.run(None, {name: inputs[:1].astype(np.float32)})[0]
+    if got.shape != reference.shape or one.shape != reference[:1].shape:
+        raise ParityError(f"onnxruntime output shape {got.shape} (batch of one: {one.shape}) "
+                          f"differs from the framework's {reference.shape}")
+    diff = float(max(np.max(np.abs(got - reference)), np.max(np.abs(one - reference[:1]))))
+    if not diff <= tolerance:
+        raise ParityError(f"onnxruntime differs from the framework by {diff:.3g} "
+                          f"(tolerance {tolerance:g}) on {len(inputs)} held-out samples")
+    return {"max_abs_diff": diff, "tolerance": tolerance, "samples": int(len(inputs)),
+            "provider": "CPUExecutionProvider", "onnxruntime": ort.__version__}
+
+
+def git_commit() -> str:
+    """The commit the job's code came from: DLC_GIT_COMMIT, else `git rev-parse`, else 'unknown'."""
+    if os.environ.get("DLC_GIT_COMMIT"):
+        return os.environ["DLC_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if out.returncode == 0:
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _versions(packages: list[str]) -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for p in packages:
+        try:
+            found[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
+                       inputs: np.ndarray, reference: np.ndarray, metrics: dict,
+                       world_size: int, packages: tuple[str, ...] = (),
+                       extra: dict | None = None,
+                       tolerance: float = TOLERANCE) -> tuple[Path, Path, dict]:
+    """Check the staged model; on success move it to <output>/model.onnx and write the manifest.
+
+    On a parity failure the staged file is kept as model.rejected.onnx for inspection, the
+    published model (if any) is left as it was, and a UserError says what happened.
+    """
+    try:
+        parity = check_parity(staged, inputs, reference, tolerance)
+    except ParityError as e:
+        rejected = output / "model.rejected.onnx"
+        staged.replace(rejected)
+        raise UserError(f"ONNX check failed: {e}; the rejected model is {rejected}, "
+                        f"the earlier {output / MODEL_FILE} (if any) is untouched") from None
+    model_path = output / MODEL_FILE
+    manifest = {
+        "job": job,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "model": MODEL_FILE,
+        "framework": framework,
+        "versions": _versions([framework, *packages, "onnx", "onnxruntime", "ray"]),
+        **onnx_io(staged),
+        "parity": parity,
+        "metrics": metrics,
+        "world_size": world_size,
+        "git_commit": git_commit(),
+        **(extra or {}),
+    }
+    staged.replace(model_path)
+    manifest_path = output / MANIFEST_FILE
+    tmp = manifest_path.with_suffix(".json.new")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    tmp.replace(manifest_path)
+    return model_path, manifest_path, manifest
+
+
+def _jsonable(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
