@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.name = args.name or time.strftime(f"{JOB}-%Y%m%d-%H%M%S")
     args.storage_path = str(Path(args.storage_path or cluster.default_storage()).expanduser().resolve())
-    args.output = Path(args.output).expanduser().resolve() if args.output else cluster.default_output(args.name)
+    args.output = (Path(args.output).expanduser().resolve() if args.output
+                   else cluster.default_output(args.name))
     return args
 
 
@@ -121,6 +122,9 @@ def train_loop(config: dict) -> None:
         start_epoch = state["epoch"]
         if rank == 0:
             print(f"[{JOB}] resuming after epoch {start_epoch} from {checkpoint.path}", flush=True)
+            if start_epoch >= config["epochs"]:
+                print(f"[{JOB}] run already trained {start_epoch} epoch(s); exporting its latest "
+                      f"checkpoint (raise --epochs to train on)", flush=True)
 
     for epoch in range(start_epoch, config["epochs"]):
         if world > 1:
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     size = data.parse_size(args.image_size, multiple=20)
     source = data.inspect_frames(args.data, size, args.limit)
     train_idx, val_idx = data.split_indices(source.count, args.val_fraction)
-    plan = cluster.plan_workers(args.num_workers, args.use_gpu, cluster.connect())
+    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect())
     cluster.check_batch(args.batch_size, len(train_idx), plan.num_workers)
     print(f"[{JOB}] run {args.name}: {source.describe()}; {plan.describe()}, batch "
           f"{args.batch_size} per worker, {args.epochs} epoch(s); storage {args.storage_path}",

@@ -105,14 +105,22 @@ def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], timeout: float 
 
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
     try:
+        from ray._private.ray_constants import KV_NAMESPACE_DASHBOARD
+        from ray.dashboard.consts import DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX
+        from ray.experimental.internal_kv import _internal_kv_get
+
         deadline = time.time() + timeout
         while True:
             nodes = [n for n in ray.nodes() if n["Alive"]]
-            if len(nodes) >= expected:
+            # A node takes jobs once its dashboard agent has registered (else the job API
+            # answers "No available agent to submit job").
+            agents = sum(1 for n in nodes if _internal_kv_get(
+                DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX + n["NodeID"], namespace=KV_NAMESPACE_DASHBOARD))
+            if len(nodes) >= expected and agents >= expected:
                 return nodes
             if time.time() > deadline:
-                fail(f"only {len(nodes)} of {expected} nodes joined within {timeout:.0f} s; "
-                     f"see the logs under the cluster's temp dirs")
+                fail(f"{len(nodes)} of {expected} nodes joined and {agents} agents registered "
+                     f"within {timeout:.0f} s; see the logs under {nodes and '/tmp/dlc-*'}")
             time.sleep(1)
     finally:
         ray.shutdown()
@@ -133,17 +141,21 @@ def up(a: argparse.Namespace) -> None:
     if a.nodes < 1:
         fail(f"--nodes {a.nodes} must be at least 1")
     cpus = a.cpus_per_node or max(1, (os.cpu_count() or 1) // a.nodes)
+    gcs = f"{HOST}:{a.port}"
     # The nodes run this virtualenv's Python, and so does a job's `python` entrypoint.
-    env = {**client_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # RAY_ADDRESS pins every process of this cluster to it: with two clusters on one host, Ray's
+    # own helpers (e.g. Train's PlacementGroupCleaner) otherwise find both and give up.
+    env = {**client_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "RAY_ADDRESS": gcs}
     temp_root = f"/tmp/dlc-{os.getuid()}-{a.port}"
     shutil.rmtree(temp_root, ignore_errors=True)
-    gcs = f"{HOST}:{a.port}"
     common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
     print(f"starting head node on {gcs} ({cpus} CPUs)", flush=True)
     run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
              "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
              "--ray-client-server-port", str(free_port()),
+             "--dashboard-agent-listen-port", str(free_port()),
              "--temp-dir", f"{temp_root}/head",
              *common], env)
     for i in range(1, a.nodes):

@@ -84,8 +84,9 @@ if ! wheel=$(cached_wheel); then
   if [ ! -f "$cache/src/$HVD_SDIST" ]; then
     echo "build_horovod: downloading the Horovod $HVD_VERSION sdist"
     dl=$(mktemp -d "$cache/src/.dl.XXXXXX")
-    "$py" -m pip download -q --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$dl" \
-      || { rm -rf "$dl"; die "pip download horovod==$HVD_VERSION failed"; }
+    "$py" -m pip download --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$dl" \
+      >"$cache/src/download.log" 2>&1 \
+      || { rm -rf "$dl"; die "pip download horovod==$HVD_VERSION failed; log: $cache/src/download.log"; }
     mv "$dl/$HVD_SDIST" "$cache/src/$HVD_SDIST"
     rm -rf "$dl"
   fi
@@ -118,8 +119,12 @@ if ! wheel=$(cached_wheel); then
     # the wheel ships only libnccl.so.2; the linker wants libnccl.so: a build-private link
     mkdir "$work/nccl-lib"
     ln -s "$nccl/lib/libnccl.so.2" "$work/nccl-lib/libnccl.so"
-    export HOROVOD_GPU=CUDA HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=${nvcc_bin%/bin} \
-      HOROVOD_NCCL_INCLUDE=$nccl/include HOROVOD_NCCL_LIB=$work/nccl-lib HOROVOD_NCCL_LINK=SHARED
+    cuda_home=$(cd "$nvcc_bin/.." && pwd)
+    # CUDA_HOME for torch.utils.cpp_extension too: it otherwise guesses /usr/local from
+    # /usr/local/bin/nvcc and Horovod's CMake then cannot find libcudart for the torch ops
+    export HOROVOD_GPU=CUDA HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=$cuda_home \
+      CUDA_HOME=$cuda_home HOROVOD_NCCL_INCLUDE=$nccl/include HOROVOD_NCCL_LIB=$work/nccl-lib \
+      HOROVOD_NCCL_LINK=SHARED
   else
     export HOROVOD_TORCH_CPU_ONLY=1
   fi
@@ -132,7 +137,7 @@ if ! wheel=$(cached_wheel); then
   mkdir -p "$keydir"
   echo "build_horovod: compiling Horovod $HVD_VERSION ($flavour, torch $torch_version) on $(nproc) cores (several minutes; log: $log)"
   start=$SECONDS
-  if ! "$py" -m pip wheel -v --no-deps --no-build-isolation -w "$work/dist" "$src" >"$log" 2>&1; then
+  if ! "$py" -m pip wheel -v --no-deps --no-build-isolation --no-cache-dir -w "$work/dist" "$src" >"$log" 2>&1; then
     die "compiling Horovod failed; full log: $log"
   fi
   built=("$work"/dist/horovod-"$HVD_VERSION"-*.whl)
@@ -146,9 +151,12 @@ if [ "$wheel_only" = 1 ]; then echo "$wheel"; exit 0; fi
 
 echo "build_horovod: installing $(basename "$wheel") into $venv"
 rm -f "$marker"
-# Uninstall first: pip would skip a wheel of the same version built with another key.
-"$py" -m pip uninstall -q -y horovod >/dev/null 2>&1 || true
-"$py" -m pip install -q --no-warn-script-location "$wheel" || die "pip install $wheel failed"
+# --force-reinstall: pip would skip a wheel of the same version built with another key; the
+# second call adds only what Horovod needs and VENV lacks (psutil, from the package index).
+if ! { "$py" -m pip install -q --no-warn-script-location --force-reinstall --no-deps "$wheel" &&
+  "$py" -m pip install -q --no-warn-script-location "$wheel"; }; then
+  die "pip install $wheel failed"
+fi
 
 # Horovod's own report: PyTorch and Gloo must be there (and NCCL in the GPU flavour).
 report=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"

@@ -29,13 +29,14 @@ def default_output(name: str) -> Path:
     return Path(os.environ.get("DLC_MODELS", DEFAULT_HOME / "models")).expanduser() / name
 
 
-def connect() -> dict:
-    """Join the Ray cluster (RAY_ADDRESS, as `ray job submit` sets it) and return its totals."""
+def connect() -> tuple[dict, int]:
+    """Join the Ray cluster (RAY_ADDRESS, as `ray job submit` sets it): its resource totals and
+    how many nodes are alive."""
     import ray
 
     if not ray.is_initialized():
         ray.init(log_to_driver=True)
-    return ray.cluster_resources()
+    return ray.cluster_resources(), sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class WorkerPlan:
         return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
 
 
-def plan_workers(num_workers: int, use_gpu: str, totals: dict,
+def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,
                  cpus_per_worker: float = 1.0) -> WorkerPlan:
     """Check `--num-workers` and `--use-gpu auto|true|false` against the cluster's resources."""
     if num_workers < 1:
@@ -61,7 +62,6 @@ def plan_workers(num_workers: int, use_gpu: str, totals: dict,
         gpu = use_gpu == "true"
     else:
         raise UserError(f"--use-gpu {use_gpu!r} must be auto, true or false")
-    nodes = _alive_nodes()
     if gpu and gpus < num_workers:
         raise UserError(f"--use-gpu true with --num-workers {num_workers} needs {num_workers} GPUs "
                         f"but the Ray cluster has {gpus} ({nodes} node(s)); use --use-gpu false "
@@ -72,12 +72,6 @@ def plan_workers(num_workers: int, use_gpu: str, totals: dict,
         raise UserError(f"--num-workers {num_workers} needs {need:g} CPUs but the Ray cluster has "
                         f"{cpus:g} in all ({nodes} node(s)); use --num-workers <= {fit} or add nodes")
     return WorkerPlan(num_workers, gpu, cpus_per_worker)
-
-
-def _alive_nodes() -> int:
-    import ray
-
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 def check_batch(batch_size: int, n_train: int, num_workers: int) -> int:

@@ -50,7 +50,8 @@ def builtin_frames(count: int = BUILTIN_FRAMES, size: tuple[int, int] = (120, 16
     frames = []
     for photo in photos:
         if photo.shape[0] < h or photo.shape[1] < w:
-            photo = np.asarray(Image.fromarray(photo).resize((max(w, photo.shape[1]), max(h, photo.shape[0]))))
+            big = (max(w, photo.shape[1]), max(h, photo.shape[0]))
+            photo = np.asarray(Image.fromarray(photo).resize(big))
         rows = int(np.ceil(np.sqrt(per_photo * (photo.shape[0] - h + 1) / (photo.shape[1] - w + 1))))
         cols = -(-per_photo // rows)
         ys = np.linspace(0, photo.shape[0] - h, rows).round().astype(int)
@@ -95,7 +96,7 @@ def load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
 
     try:
         with Image.open(path) as im:
-            return np.asarray(im.convert("RGB").resize((size[1], size[0]), Image.BILINEAR))
+            return np.array(im.convert("RGB").resize((size[1], size[0]), Image.BILINEAR))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         reason = str(e).split("\n")[0]
         raise UserError(f"cannot read image {path} ({reason}); remove or replace the file") from None

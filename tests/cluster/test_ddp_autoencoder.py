@@ -1,0 +1,115 @@
+"""The main job end to end through `ray job submit` on the 2-node cluster: training, ONNX,
+manifest, resume, and bad input that fails fast with one line and touches no checkpoint."""
+
+import hashlib
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from conftest import read_manifest
+from PIL import Image
+
+from trainkit import data
+
+JOB = "ddp_autoencoder"
+TINY = ["--image-size", "40x60", "--batch-size", "8", "--num-workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def frames_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("frames")
+    for i, frame in enumerate(data.builtin_frames(60, (40, 60))):
+        Image.fromarray(frame).save(folder / f"frame_{i:04d}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+def run(cluster, storage, name, *args):
+    return cluster.submit(JOB, *TINY, "--storage-path", str(storage), "--name", name,
+                          "--output", str(storage.parent / f"models-{name}"), *args)
+
+
+def test_trains_on_two_nodes_and_exports_verified_onnx(cluster, storage, frames_dir):
+    proc = run(cluster, storage, "e2e", "--data", str(frames_dir), "--epochs", "1")
+    assert proc.returncode == 0 and "succeeded" in proc.stdout
+    out = storage.parent / "models-e2e"
+    assert f"ONNX model: {out / 'model.onnx'}" in proc.stdout
+    m = read_manifest(out)
+    assert m["world_size"] == 2 and m["framework"] == "torch"
+    assert m["parity"]["max_abs_diff"] <= 1e-4 and m["parity"]["samples"] == 6
+    assert m["metrics"]["world_size"] == 2 and m["metrics"]["epoch"] == 1
+    # 54 training frames over 2 workers in batches of 8: 4 iterations each, plus 1 validation
+    assert (m["metrics"]["train_iters"], m["metrics"]["val_iters"]) == (4, 1)
+    assert m["metrics"]["iters_per_epoch"] == 5
+    assert m["metrics"]["samples_per_s"] > 0 and m["metrics"]["epoch_s"] > 0
+    assert m["inputs"][0]["shape"] == ["batch", 3, 40, 60]
+    sess = ort.InferenceSession(str(out / "model.onnx"))
+    y = sess.run(None, {"input": np.random.rand(3, 3, 40, 60).astype(np.float32)})[0]
+    assert y.shape == (3, 3, 40, 60)
+
+
+def checkpoints(storage, name):
+    return sorted(p.name for p in (storage / name).glob("checkpoint_*") if p.is_dir())
+
+
+def fingerprint(storage, name):
+    """Every file of a run's checkpoints with its content hash."""
+    return {str(p.relative_to(storage)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((storage / name).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(cluster, storage):
+    proc = run(cluster, storage, "resume", "--limit", "60", "--epochs", "1")
+    assert proc.returncode == 0
+    assert len(checkpoints(storage, "resume")) == 1
+    return "resume"
+
+
+def test_rerun_with_the_same_name_resumes(cluster, storage, trained):
+    first = checkpoints(storage, trained)
+    proc = run(cluster, storage, trained, "--limit", "60", "--epochs", "2")
+    assert proc.returncode == 0
+    assert f"resuming after epoch 1 from {storage / trained / first[0]}" in proc.stdout
+    assert "epoch 2/2" in proc.stdout and "epoch 1/2" not in proc.stdout
+    assert checkpoints(storage, trained)[0] == first[0] and len(checkpoints(storage, trained)) == 2
+    m = read_manifest(storage.parent / f"models-{trained}")
+    assert m["run"]["epochs"] == 2 and m["metrics"]["epoch"] == 2
+
+
+def bad_inputs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for i, frame in enumerate(data.builtin_frames(4, (40, 60))):
+        Image.fromarray(frame).save(corrupt / f"{i}.jpg")
+    (corrupt / "2.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    return {
+        "missing path": (["--data", str(tmp_path / "nope")], "does not exist"),
+        "empty folder": (["--data", str(empty)], "no images"),
+        "corrupt image": (["--data", str(corrupt)], f"cannot read image {corrupt / '2.jpg'}"),
+        "batch > share": (["--limit", "60", "--batch-size", "64"], "larger than each worker's share"),
+        "too many workers": (["--limit", "60", "--num-workers", "8"], "needs 8 CPUs"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing path", "empty folder", "corrupt image",
+                                  "batch > share", "too many workers"])
+def test_bad_input_fails_fast_with_one_line(cluster, storage, trained, tmp_path, case):
+    args, message = bad_inputs(tmp_path)[case]
+    before = fingerprint(storage, trained)
+    models = storage.parent / f"models-{trained}"
+    published = {p.name: p.read_bytes() for p in models.iterdir()} if models.exists() else {}
+    proc = cluster.submit(JOB, *TINY, "--storage-path", str(storage), "--name", trained,
+                          "--output", str(models), *args, timeout=240)
+    assert proc.returncode != 0 and "failed" in proc.stdout
+    errors = [line for line in proc.stdout.splitlines() if line.startswith(f"{JOB}: error: ")]
+    assert errors and message in errors[0], proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout.split("Status message")[0]
+    assert fingerprint(storage, trained) == before
+    assert {p.name: p.read_bytes() for p in models.iterdir()} == published
