@@ -54,7 +54,7 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@$(SUBMIT) -- python jobs/ddp_autoencoder.py $(ARGS)
 
-test: test-unit test-cluster ## every test tier
+test: lint test-unit test-cluster ## every test tier (lint, unit, local cluster)
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 from trainkit import cluster, data  # noqa: E402
 from trainkit.errors import UserError, run_main  # noqa: E402
 from trainkit.onnx_export import export_torch, verify_and_publish  # noqa: E402
+from trainkit.progress import say  # noqa: E402
 
 JOB = "ddp_autoencoder"
 STATE_FILE = "state.pt"
@@ -121,10 +122,10 @@ def train_loop(config: dict) -> None:
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
         if rank == 0:
-            print(f"[{JOB}] resuming after epoch {start_epoch} from {checkpoint.path}", flush=True)
+            say(JOB, f"resuming after epoch {start_epoch} from {checkpoint.path}")
             if start_epoch >= config["epochs"]:
-                print(f"[{JOB}] run already trained {start_epoch} epoch(s); exporting its latest "
-                      f"checkpoint (raise --epochs to train on)", flush=True)
+                say(JOB, f"run already trained {start_epoch} epoch(s); exporting its latest "
+                      f"checkpoint (raise --epochs to train on)")
 
     for epoch in range(start_epoch, config["epochs"]):
         if world > 1:
@@ -155,9 +156,9 @@ def train_loop(config: dict) -> None:
             "device": str(device.type),
         }
         if rank == 0:
-            print(f"[{JOB}] epoch {epoch + 1}/{config['epochs']}: loss {metrics['loss']:.5f} "
+            say(JOB, f"epoch {epoch + 1}/{config['epochs']}: loss {metrics['loss']:.5f} "
                   f"val_loss {metrics['val_loss']:.5f} iters/epoch {metrics['iters_per_epoch']} "
-                  f"{metrics['samples_per_s']:.1f} samples/s {epoch_s:.1f} s", flush=True)
+                  f"{metrics['samples_per_s']:.1f} samples/s {epoch_s:.1f} s")
         with tempfile.TemporaryDirectory() as d:
             ckpt = None
             if rank == 0:
@@ -182,7 +183,7 @@ def _run(loader, model, loss_fn, optimizer, rank: int, label: str) -> tuple[floa
         n += len(x)
         iters += 1
         if rank == 0 and (iters % every == 0 or iters == len(loader)):
-            print(f"[{JOB}] {label}: {iters}/{len(loader)} iterations", flush=True)
+            say(JOB, f"{label}: {iters}/{len(loader)} iterations")
     return total, n, iters
 
 
@@ -198,9 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     train_idx, val_idx = data.split_indices(source.count, args.val_fraction)
     plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect())
     cluster.check_batch(args.batch_size, len(train_idx), plan.num_workers)
-    print(f"[{JOB}] run {args.name}: {source.describe()}; {plan.describe()}, batch "
-          f"{args.batch_size} per worker, {args.epochs} epoch(s); storage {args.storage_path}",
-          flush=True)
+    say(JOB, f"run {args.name}: {source.describe()}; {plan.describe()}, batch "
+          f"{args.batch_size} per worker, {args.epochs} epoch(s); storage {args.storage_path}")
 
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> None:
                        "checkpoint": result.checkpoint.path, "epochs": state["epoch"],
                        "batch_size": args.batch_size, "data": source.describe()}},
     )
-    print(f"[{JOB}] ONNX parity: max abs diff {manifest['parity']['max_abs_diff']:.2e} "
-          f"(tolerance {manifest['parity']['tolerance']:g})", flush=True)
-    print(f"[{JOB}] ONNX model: {onnx_path}", flush=True)
-    print(f"[{JOB}] manifest:   {manifest_path}", flush=True)
+    say(JOB, f"ONNX parity: max abs diff {manifest['parity']['max_abs_diff']:.2e} "
+          f"(tolerance {manifest['parity']['tolerance']:g})")
+    say(JOB, f"ONNX model: {onnx_path}")
+    say(JOB, f"manifest:   {manifest_path}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ if [ "$wheel_only" = 1 ] && wheel=$(cached_wheel); then echo "$wheel"; exit 0; f
 
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
-flock 9   # one build at a time (setup.sh and a manual run may race); the other waits, then reuses
+# one build at a time (setup.sh and a manual run may race): the second waits, then reuses the wheel
+if ! flock -n 9; then echo "build_horovod: waiting for another build_horovod.sh to finish"; flock 9; fi
 rm -rf "$cache"/.build.* "$cache"/src/.dl.*   # left by a killed run (we hold the lock)
 
 if ! wheel=$(cached_wheel); then
@@ -97,7 +98,9 @@ if ! wheel=$(cached_wheel); then
   trap 'rm -rf "$work"' EXIT
   tar -xzf "$cache/src/$HVD_SDIST" -C "$work"
   src=$work/horovod-$HVD_VERSION
-  patch -s -p1 -d "$src" <"$patch_file" || die "$patch_file does not apply to $HVD_SDIST"
+  mkdir -p "$keydir"
+  patch -p1 -d "$src" <"$patch_file" >"$log" 2>&1 \
+    || die "$patch_file does not apply to $HVD_SDIST; log: $log"
 
   # The build environment is exactly this, whatever HOROVOD_* the caller has set (the key promises
   # it); HOROVOD_GPU in particular means CUDA/ROCM to Horovod's CMake, not our 1.
@@ -134,10 +137,9 @@ if ! wheel=$(cached_wheel); then
   MAKEFLAGS=-j$(nproc)
   export MAKEFLAGS
 
-  mkdir -p "$keydir"
   echo "build_horovod: compiling Horovod $HVD_VERSION ($flavour, torch $torch_version) on $(nproc) cores (several minutes; log: $log)"
   start=$SECONDS
-  if ! "$py" -m pip wheel -v --no-deps --no-build-isolation --no-cache-dir -w "$work/dist" "$src" >"$log" 2>&1; then
+  if ! "$py" -m pip wheel -v --no-deps --no-build-isolation --no-cache-dir -w "$work/dist" "$src" >>"$log" 2>&1; then
     die "compiling Horovod failed; full log: $log"
   fi
   built=("$work"/dist/horovod-"$HVD_VERSION"-*.whl)
@@ -159,11 +161,12 @@ if ! { "$py" -m pip install -q --no-warn-script-location --force-reinstall --no-
 fi
 
 # Horovod's own report: PyTorch and Gloo must be there (and NCCL in the GPU flavour).
-report=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"
+report=$("$venv/bin/horovodrun" --check-build 2>&1) \
+  || die "$venv/bin/horovodrun --check-build failed: $(tail -n 1 <<<"$report")"
 need=(PyTorch Gloo)
 if [ "$flavour" = nccl ]; then need+=(NCCL); fi
 for item in "${need[@]}"; do
-  grep -q "\[X\] $item\$" <<<"$report" || die "horovodrun --check-build does not list $item as available"
+  grep -Eq "\[X\] ${item}[[:space:]]*\$" <<<"$report" || die "horovodrun --check-build does not list $item as available"
 done
 echo "$key" >"$marker"
 echo "build_horovod: horovod $HVD_VERSION ($flavour, torch $torch_version) installed in $venv; check-build lists ${need[*]}"

@@ -178,3 +178,56 @@ def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[list[int]
     order = np.random.default_rng(seed).permutation(n).tolist()
     n_val = max(1, int(round(n * val_fraction))) if n > 1 else 0
     return order[n_val:], order[:n_val]
+
+
+# ---------------------------------------------------------------- two-class images (tf_cnn)
+def builtin_two_class(per_class: int, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Two classes of real-photo crops: scikit-learn's temple photograph vs its flower."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images()
+    images, labels = [], []
+    for label, photo in enumerate(photos.images):
+        crops = builtin_crops(photo, per_class, size)
+        images.append(crops)
+        labels.append(np.full(len(crops), label, dtype=np.int64))
+    names = [Path(f).stem for f in photos.filenames]
+    return np.concatenate(images), np.concatenate(labels), names
+
+
+def builtin_crops(photo: np.ndarray, count: int, size: tuple[int, int]) -> np.ndarray:
+    """`count` crops of `size` at fixed pseudo-random places of a photograph (N x H x W x 3)."""
+    h, w = size
+    rng = np.random.default_rng(count)
+    ys = rng.integers(0, photo.shape[0] - h + 1, count)
+    xs = rng.integers(0, photo.shape[1] - w + 1, count)
+    return np.stack([photo[y : y + h, x : x + w] for y, x in zip(ys, xs, strict=True)])
+
+
+def load_two_class_folder(data: str, size: tuple[int, int], limit: int | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """A folder with one sub-folder of images per class, exactly two classes (binary labels).
+
+    Classes are the sub-folder names in sorted order (label 0 and 1), as Keras'
+    image_dataset_from_directory orders them.
+    """
+    from .errors import UserError
+
+    root = Path(data).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"data folder {root} does not exist; pass --data with one sub-folder of "
+                        "images per class, or leave --data out for the built-in two-class set")
+    classes = sorted(d for d in root.iterdir() if d.is_dir() and list_images(d))
+    if not classes:
+        raise UserError(f"no class folders with images under {root}; expected {root}/<class>/*.jpg "
+                        "for two classes")
+    if len(classes) != 2:
+        names = ", ".join(d.name for d in classes)
+        raise UserError(f"a binary classifier needs exactly 2 class folders under {root}, found "
+                        f"{len(classes)} ({names}); add or remove class folders")
+    images, labels = [], []
+    for label, folder in enumerate(classes):
+        for f in list_images(folder)[:limit]:
+            images.append(load_image(f, size))
+            labels.append(label)
+    return np.stack(images), np.array(labels, dtype=np.int64), [d.name for d in classes]
