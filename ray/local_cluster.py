@@ -92,8 +92,27 @@ def cluster_pids(temp_root: str) -> list[int]:
     return sorted(seen)
 
 
-def run_ray(args: list[str], env: dict[str, str]) -> None:
-    proc = subprocess.run([RAY, *args], env={**os.environ, **env}, capture_output=True, text=True)
+def own_hostname(name: str, temp_dir: str) -> list[str]:
+    """A command prefix that gives a node its own hostname, as separate machines have.
+
+    Horovod on Ray groups workers by hostname and refuses two Ray nodes with one name, so each
+    worker node runs in its own UTS namespace with its own name, and a mount namespace whose
+    /etc/hosts resolves that name to loopback (gloo looks its own hostname up). The network is
+    shared. Needs root; without it the nodes share the host's name and Horovod jobs must fit
+    on one node.
+    """
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return []
+    hosts = Path(temp_dir) / "etc-hosts"
+    hosts.parent.mkdir(parents=True, exist_ok=True)
+    hosts.write_text(Path("/etc/hosts").read_text() + f"\n{HOST} {name}\n")
+    script = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+    return ["unshare", "--uts", "--mount", "sh", "-c", script, name, str(hosts)]
+
+
+def run_ray(args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> None:
+    proc = subprocess.run([*(prefix or []), RAY, *args], env={**os.environ, **env},
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         fail(f"`ray {args[0]} {args[1]}` failed: {' | '.join(tail)}")
@@ -162,7 +181,8 @@ def up(a: argparse.Namespace) -> None:
         print(f"starting worker node {i} ({cpus} CPUs, no GPUs)", flush=True)
         run_ray(["start", "--address", gcs, "--temp-dir", f"{temp_root}/node{i}",
                  "--dashboard-agent-listen-port", str(free_port()), "--num-gpus", "0",
-                 *common], env)
+                 *common], env,
+                prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
              "cpus_per_node": cpus, "temp_root": temp_root}
     state_file().write_text(json.dumps(state, indent=2) + "\n")

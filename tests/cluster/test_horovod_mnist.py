@@ -1,0 +1,54 @@
+"""The Horovod job on Ray (HorovodTrainer, Train V1) across both nodes, and under horovodrun."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import BIN, REPO, read_manifest
+
+JOB = "horovod_mnist"
+
+
+def check_model(out, world):
+    m = read_manifest(out)
+    assert m["world_size"] == world and m["ranks_in_sync"] is True
+    assert len(m["param_digests"]) == world and len(set(m["param_digests"])) == 1
+    assert m["parity"]["max_abs_diff"] <= 1e-4
+    assert m["inputs"][0]["shape"] == ["batch", 1, 28, 28] and m["outputs"][0]["shape"] == ["batch", 10]
+    assert m["versions"]["horovod"] == "0.28.1"
+    assert m["metrics"]["world_size"] == world and m["metrics"]["epoch"] == 1
+    # 1500 training digits over 2 ranks in batches of 64: 12 iterations each
+    assert m["metrics"]["iters_per_epoch"] == 12
+
+
+def test_horovod_trainer_on_two_nodes(cluster, tmp_path):
+    out = tmp_path / "model"
+    proc = cluster.submit(JOB, "--epochs", "1", "--batch-size", "64", "--storage-path",
+                          str(tmp_path / "runs"), "--name", "hvd", "--output", str(out))
+    assert proc.returncode == 0 and "succeeded" in proc.stdout
+    assert "2 ranks end with identical parameters" in proc.stdout
+    check_model(out, 2)
+
+
+def test_horovodrun_without_ray(tmp_path):
+    out = tmp_path / "model"
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+         "jobs/horovod_mnist.py", "--epochs", "1", "--batch-size", "64", "--name", "hvdrun",
+         "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_model(out, 2)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty"])
+def test_bad_data_dir(cluster, tmp_path, case):
+    path = tmp_path / "mnist"
+    if case == "empty":
+        path.mkdir()
+    proc = cluster.submit(JOB, "--data-dir", str(path), "--storage-path", str(tmp_path / "runs"),
+                          timeout=240)
+    assert proc.returncode != 0
+    message = "does not exist" if case == "missing" else "no MNIST under"
+    assert any(line.startswith(f"{JOB}: error: ") and message in line
+               for line in proc.stdout.splitlines()), proc.stdout[-2000:]

@@ -1,0 +1,58 @@
+"""The TensorFlow CNN: MultiWorkerMirroredStrategy across both nodes, MirroredStrategy alone."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, read_manifest
+from PIL import Image
+
+JOB = "tf_cnn"
+TINY = ["--per-class", "24", "--epochs", "1", "--batch-size", "8"]
+
+
+def check_model(out, world, strategy):
+    m = read_manifest(out)
+    assert m["framework"] == "tensorflow" and m["strategy"] == strategy
+    assert m["world_size"] == world and m["workers_in_sync"] is True
+    assert len(m["weight_digests"]) == world and len(set(m["weight_digests"])) == 1
+    assert m["parity"]["max_abs_diff"] <= 1e-4
+    assert m["inputs"][0]["shape"][1:] == [150, 150, 3] and m["outputs"][0]["shape"][1:] == [1]
+    assert m["classes"] == ["china", "flower"]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(m["metrics"])
+
+
+def test_multiworker_on_two_nodes(cluster, tmp_path):
+    out = tmp_path / "model"
+    proc = cluster.submit(JOB, *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "tf",
+                          "--output", str(out))
+    assert proc.returncode == 0 and "succeeded" in proc.stdout
+    assert "all 2 workers ended with identical weights" in proc.stdout
+    check_model(out, 2, "multiworker")
+
+
+def test_mirrored_in_one_process(tmp_path):
+    out = tmp_path / "model"
+    proc = subprocess.run([sys.executable, "jobs/tf_cnn.py", "--strategy", "mirrored", *TINY,
+                           "--name", "tfm", "--output", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_model(out, 1, "mirrored")
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "one class"])
+def test_bad_data(cluster, tmp_path, case):
+    path = tmp_path / "images"
+    if case != "missing":
+        path.mkdir()
+    if case == "one class":
+        (path / "cats").mkdir()
+        Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(path / "cats" / "a.png")
+    proc = cluster.submit(JOB, "--data", str(path), "--storage-path", str(tmp_path / "runs"),
+                          timeout=240)
+    assert proc.returncode != 0
+    message = {"missing": "does not exist", "empty": "no class folders",
+               "one class": "exactly 2 class folders"}[case]
+    assert any(line.startswith(f"{JOB}: error: ") and message in line
+               for line in proc.stdout.splitlines()), proc.stdout[-2000:]
