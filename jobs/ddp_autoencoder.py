@@ -57,7 +57,7 @@ class AutoEncoder(nn.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=JOB, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cluster.HelpFormatter)
     p.add_argument("--num-workers", type=int, default=2,
                    help="data-parallel workers (one process each, spread over the Ray nodes)")
     p.add_argument("--batch-size", type=int, default=128, help="batch size per worker")
@@ -75,20 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="use only the first N frames")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of the frames held out for validation and the ONNX check")
-    p.add_argument("--storage-path", default=None,
-                   help="where Ray Train keeps runs and checkpoints; shared storage on a "
-                        "multi-node cluster (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
-    p.add_argument("--name", default=None,
-                   help="run name; a rerun with the same name resumes from its latest checkpoint "
-                        "(default: ddp_autoencoder-<date>-<time>)")
-    p.add_argument("--output", default=None,
-                   help="folder for model.onnx and manifest.json (default: "
-                        "$DLC_MODELS/<name> or ~/dlcluster/models/<name>)")
+    cluster.add_run_flags(p, JOB, resumes=True)
     args = p.parse_args(argv)
-    args.name = args.name or time.strftime(f"{JOB}-%Y%m%d-%H%M%S")
-    args.storage_path = str(Path(args.storage_path or cluster.default_storage()).expanduser().resolve())
-    args.output = (Path(args.output).expanduser().resolve() if args.output
-                   else cluster.default_output(args.name))
+    cluster.resolve_run_flags(args, JOB)
     return args
 
 

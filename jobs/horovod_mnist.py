@@ -61,7 +61,7 @@ class Net(nn.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=JOB, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cluster.HelpFormatter)
     p.add_argument("--num-workers", type=int, default=2,
                    help="Horovod ranks on Ray (under horovodrun, -np decides)")
     p.add_argument("--batch-size", type=int, default=128, help="batch size per rank")
@@ -74,16 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None,
                    help="torchvision MNIST root (holding MNIST/raw/*-ubyte); default: built-in "
                         "digits written once in MNIST's format under $DLC_HOME/data")
-    p.add_argument("--storage-path", default=None,
-                   help="Ray Train runs and checkpoints (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
-    p.add_argument("--name", default=None, help="run name (default: horovod_mnist-<date>-<time>)")
-    p.add_argument("--output", default=None,
-                   help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name>)")
+    cluster.add_run_flags(p, JOB)
     args = p.parse_args(argv)
-    args.name = args.name or time.strftime(f"{JOB}-%Y%m%d-%H%M%S")
-    args.storage_path = str(Path(args.storage_path or cluster.default_storage()).expanduser().resolve())
-    args.output = (Path(args.output).expanduser().resolve() if args.output
-                   else cluster.default_output(args.name))
+    cluster.resolve_run_flags(args, JOB)
     return args
 
 

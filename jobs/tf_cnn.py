@@ -63,7 +63,7 @@ def build_model():
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=JOB, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cluster.HelpFormatter)
     p.add_argument("--strategy", default="multiworker", choices=["multiworker", "mirrored"],
                    help="multiworker: MultiWorkerMirroredStrategy over Ray workers on all nodes; "
                         "mirrored: MirroredStrategy in this one process")
@@ -80,16 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="images per class: built-in set size, or a cap on a folder's")
     p.add_argument("--val-fraction", type=float, default=0.2,
                    help="share held out for validation and the ONNX check")
-    p.add_argument("--storage-path", default=None,
-                   help="Ray Train runs and checkpoints (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
-    p.add_argument("--name", default=None, help="run name (default: tf_cnn-<date>-<time>)")
-    p.add_argument("--output", default=None,
-                   help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name>)")
+    cluster.add_run_flags(p, JOB)
     args = p.parse_args(argv)
-    args.name = args.name or time.strftime(f"{JOB}-%Y%m%d-%H%M%S")
-    args.storage_path = str(Path(args.storage_path or cluster.default_storage()).expanduser().resolve())
-    args.output = (Path(args.output).expanduser().resolve() if args.output
-                   else cluster.default_output(args.name))
+    cluster.resolve_run_flags(args, JOB)
     return args
 
 

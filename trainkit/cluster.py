@@ -6,7 +6,9 @@ checks the cluster's totals first and fails fast with one line instead.
 
 from __future__ import annotations
 
+import argparse
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,36 @@ def default_storage() -> str:
 def default_output(name: str) -> Path:
     """Where a job's verified ONNX model and manifest land: DLC_MODELS/<name>."""
     return Path(os.environ.get("DLC_MODELS", DEFAULT_HOME / "models")).expanduser() / name
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where the help text says it (default None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_run_flags(parser, job: str, resumes: bool = False) -> None:
+    """--storage-path, --name and --output, the same for every job."""
+    parser.add_argument("--storage-path", default=None,
+                        help="where Ray Train keeps runs and checkpoints; shared storage on a "
+                             "multi-node cluster (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
+    parser.add_argument("--name", default=None,
+                        help=f"run name (default: {job}-<date>-<time>)"
+                             + ("; a rerun with the same name resumes from its latest checkpoint"
+                                if resumes else ""))
+    parser.add_argument("--output", default=None,
+                        help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> "
+                             "or ~/dlcluster/models/<name>)")
+
+
+def resolve_run_flags(args, job: str):
+    """Fill in the defaults of add_run_flags' flags as absolute paths."""
+    args.name = args.name or time.strftime(f"{job}-%Y%m%d-%H%M%S")
+    args.storage_path = str(Path(args.storage_path or default_storage()).expanduser().resolve())
+    args.output = (Path(args.output).expanduser().resolve() if args.output
+                   else default_output(args.name))
+    return args
 
 
 def connect() -> tuple[dict, int]:
