@@ -115,10 +115,11 @@ def run_ray(args: list[str], env: dict[str, str], prefix: list[str] | None = Non
                           capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        fail(f"`ray {args[0]} {args[1]}` failed: {' | '.join(tail)}")
+        fail(f"`ray {args[0]} {args[1]}` failed: {' | '.join(tail)}; `make cluster-down` cleans up")
 
 
-def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], timeout: float = 120) -> list[dict]:
+def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], logs: str,
+                   timeout: float = 120) -> list[dict]:
     os.environ.update(env)
     import ray
 
@@ -139,7 +140,8 @@ def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], timeout: float 
                 return nodes
             if time.time() > deadline:
                 fail(f"{len(nodes)} of {expected} nodes joined and {agents} agents registered "
-                     f"within {timeout:.0f} s; see the logs under {nodes and '/tmp/dlc-*'}")
+                     f"within {timeout:.0f} s; see the logs under {logs}/*/session_latest/logs, "
+                     f"then `make cluster-down`")
             time.sleep(1)
     finally:
         ray.shutdown()
@@ -170,6 +172,10 @@ def up(a: argparse.Namespace) -> None:
     shutil.rmtree(temp_root, ignore_errors=True)
     common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
+    # Recorded before anything starts, so `down` can clean up after a start that failed half-way.
+    state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
+             "cpus_per_node": cpus, "temp_root": temp_root}
+    state_file().write_text(json.dumps(state, indent=2) + "\n")
     print(f"starting head node on {gcs} ({cpus} CPUs)", flush=True)
     run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
              "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
@@ -183,10 +189,7 @@ def up(a: argparse.Namespace) -> None:
                  "--dashboard-agent-listen-port", str(free_port()), "--num-gpus", "0",
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
-    state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
-             "cpus_per_node": cpus, "temp_root": temp_root}
-    state_file().write_text(json.dumps(state, indent=2) + "\n")
-    nodes = wait_for_nodes(gcs, a.nodes, env)
+    nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
     print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
           f"{state['dashboard']} (token auth on)")

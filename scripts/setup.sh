@@ -23,6 +23,10 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install --progress-bar off $reqs
   "$venv/bin/python" -m pip check
   touch "$venv/.complete"
+  ln -sfn "$venv" .venv
+  for old in "$CACHE"/venv-*; do  # environments of earlier pins: 9 GB each
+    if [ "$old" != "$venv" ]; then echo "setup: removing the outdated environment $old"; rm -rf "$old"; fi
+  done
 fi
 ln -sfn "$venv" .venv
 # Horovod is compiled once per (horovod, torch, patch) and cached as a wheel (scripts/build_horovod.sh).
