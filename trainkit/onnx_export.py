@@ -109,9 +109,8 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
 
 
 def git_commit() -> str:
-    """The commit the job's code came from: DLC_GIT_COMMIT, else `git rev-parse`, else 'unknown'."""
-    if os.environ.get("DLC_GIT_COMMIT"):
-        return os.environ["DLC_GIT_COMMIT"]
+    """The commit the job's code came from: `git rev-parse` where the code is a checkout (also a
+    working dir uploaded with `.git`), else DLC_GIT_COMMIT (set in the image), else 'unknown'."""
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -121,7 +120,7 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return "unknown"
+    return os.environ.get("DLC_GIT_COMMIT") or "unknown"
 
 
 def _versions(packages: list[str]) -> dict[str, str]:
