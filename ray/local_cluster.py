@@ -67,9 +67,10 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex((HOST, port)) == 0
 
 
-def cluster_pids(temp_root: str) -> list[int]:
+def cluster_pids(temp_root: str, gcs_port: int | None = None) -> list[int]:
     """This cluster's processes: those whose command line names its temp root (GCS, raylets,
-    dashboard, monitors), and all their descendants (workers, agents, job drivers)."""
+    dashboard, monitors), the head's Ray Client server (it names only the GCS address and is
+    re-parented to init), and all their descendants (workers, agents, job drivers)."""
     children: dict[int, list[int]] = {}
     found: list[int] = []
     for entry in Path("/proc").iterdir():
@@ -81,7 +82,9 @@ def cluster_pids(temp_root: str) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
-        if temp_root in cmd and int(entry.name) != os.getpid():
+        client_server = gcs_port and "ray.util.client.server" in cmd and any(
+            arg.startswith("--address=") and arg.endswith(f":{gcs_port}") for arg in cmd.split())
+        if (temp_root in cmd or client_server) and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     todo, seen = list(found), set()
     while todo:
@@ -201,7 +204,8 @@ def down(_: argparse.Namespace) -> None:
         print("no local cluster recorded; nothing to stop")
         return
     st = json.loads(state_file().read_text())
-    pids = cluster_pids(st["temp_root"])
+    port = int(st["gcs"].rsplit(":", 1)[1])
+    pids = cluster_pids(st["temp_root"], port)
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         for pid in pids:
             try:
@@ -209,7 +213,7 @@ def down(_: argparse.Namespace) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.time() + wait
-        while time.time() < deadline and (pids := cluster_pids(st["temp_root"])):
+        while time.time() < deadline and (pids := cluster_pids(st["temp_root"], port)):
             time.sleep(0.3)
         if not pids:
             break

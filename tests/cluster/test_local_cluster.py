@@ -59,12 +59,12 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
     sys.path.insert(0, str(REPO / "ray"))
     from local_cluster import cluster_pids
 
-    main_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6390")
+    main_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6390", 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
-    other_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6395")
+    other_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395)
     assert other_pids and not set(other_pids) & set(main_pids)
     assert "stopped" in other.script("down").stdout
-    assert cluster_pids(f"/tmp/dlc-{os.getuid()}-6395") == []
+    assert cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395) == []  # Ray Client server too
     for pid in main_pids:
         assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"
     assert "nothing to stop" in other.script("down").stdout
