@@ -54,7 +54,7 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@$(SUBMIT) -- python jobs/ddp_autoencoder.py $(ARGS)
 
-test: lint test-unit test-cluster ## every test tier (lint, unit, local cluster)
+test: lint test-unit test-cluster test-image ## every test tier (lint, unit, local cluster, container images)
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -70,3 +70,34 @@ bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the runni
 
 clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
 	rm -f $(VENV)
+
+# ---- container images (docker/; README "Container images")
+# 1: the CUDA image (NCCL operations) instead of the CPU one
+GPU        ?= 0
+# the tag; empty: dlcluster:cpu or dlcluster:gpu
+IMAGE      ?=
+# the FROM image; empty: dlcluster/base:bookworm (made here) or nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04
+BASE_IMAGE ?=
+# GPU: CUDA architectures for Horovod's NCCL operations (e.g. 80,90); empty: all 12
+CUDA_ARCHS ?=
+# CA bundle for the build's apt steps (BuildKit secret); empty: the host's when it trusts an extra CA; none
+CA_BUNDLE  ?=
+export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE
+.PHONY: wheels image-base image image-test test-image image-report
+
+wheels: setup ## the wheelhouse of the pinned stack that image builds install from (no index)
+	@scripts/wheelhouse.sh
+
+image-base: ## a Debian base image with no registry: debootstrap + docker import (dlcluster/base:bookworm)
+	@docker/mkbase.sh
+
+image: setup ## build the image: CPU here by default, GPU=1 for the CUDA one (docker/Dockerfile)
+	@docker/build.sh
+
+image-test: setup ## build the CPU image (layer cache reused), test inside it; compile the GPU Horovod
+	@$(PY) -m pytest tests/container $(PYTEST_ARGS)
+
+test-image: image-test ## the same as image-test (the test-* name of the tier)
+
+image-report: ## the image's size per layer group and its build times, cold and warm
+	@$(PYTHON) docker/report.py

@@ -5,6 +5,8 @@
 #   VENV          a virtualenv that already holds torch (the project's is .venv)
 #   --wheel-only  build (or find) the cached wheel and print its path; VENV is left unchanged
 #   HOROVOD_GPU=1 build the NCCL (GPU) flavour instead of the CPU one (the default)
+#   HOROVOD_BUILD_CUDA_CC_LIST=90[,80...]  (NCCL flavour) compile for these CUDA architectures only
+#                 instead of Horovod's 12 (a quick compile check); part of the cache key
 #
 # Horovod 0.28.1 (its last release, 2023) does not build against torch 2.14 as released: its
 # CMake files compile the PyTorch ops as C++14, but torch >= 2.1 headers need C++17 and torch
@@ -58,6 +60,12 @@ torch_version=$(sed -n 's/^Version: //p' "${torch_meta[0]}" | head -n 1)
 patch_sha=$(sha256sum "$patch_file" | cut -c1-16)
 if [ "${HOROVOD_GPU:-}" = "1" ]; then flavour=nccl; else flavour=cpu; fi
 key=horovod-$HVD_VERSION-torch$torch_version-py$pyver-patch$patch_sha-$flavour
+cc_list=
+if [ "$flavour" = nccl ] && [ -n "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
+  cc_list=$HOROVOD_BUILD_CUDA_CC_LIST
+  [[ $cc_list =~ ^[0-9]+(,[0-9]+)*$ ]] || die "HOROVOD_BUILD_CUDA_CC_LIST must look like 90 or 80,90 (got '$cc_list')"
+  key=$key-cc${cc_list//,/_}
+fi
 
 cache=${DLC_CACHE:-$HOME/.cache/dlcluster}/wheels
 keydir=$cache/$key
@@ -128,6 +136,7 @@ if ! wheel=$(cached_wheel); then
     export HOROVOD_GPU=CUDA HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=$cuda_home \
       CUDA_HOME=$cuda_home HOROVOD_NCCL_INCLUDE=$nccl/include HOROVOD_NCCL_LIB=$work/nccl-lib \
       HOROVOD_NCCL_LINK=SHARED
+    if [ -n "$cc_list" ]; then export HOROVOD_BUILD_CUDA_CC_LIST=$cc_list; fi
   else
     export HOROVOD_TORCH_CPU_ONLY=1
   fi

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# make image: build the CPU image (default) or, with GPU=1, the CUDA one from docker/Dockerfile.
+#
+# Variables (defaults in brackets):
+#   GPU         0: CPU image on a plain Debian base; 1: CUDA image (NCCL operations)      [0]
+#   IMAGE       the tag                                          [dlcluster:cpu / dlcluster:gpu]
+#   BASE_IMAGE  CPU: [dlcluster/base:bookworm], made by docker/mkbase.sh when missing;
+#               GPU: [nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04], must be in the local engine
+#               (it is never pulled by this script)
+#   CUDA_ARCHS  GPU: CUDA architectures for Horovod's NCCL operations, e.g. 80,90     [all 12]
+#   CA_BUNDLE   CA bundle given to the build's apt steps as a BuildKit secret, never stored in
+#               the image [/etc/ssl/certs/ca-certificates.crt when /usr/local/share/ca-certificates
+#               holds a certificate (a TLS-intercepting proxy), else none]; "none": never
+#   PYTHON      the client's interpreter: the image must run the same major.minor    [python3.11]
+# Steps: a Docker engine (docker/engine.sh), the base, the wheelhouse linked into .whl/
+# (scripts/wheelhouse.sh), then `docker build`. Each build's seconds and cached/run steps are
+# appended to $DLC_CACHE/image-builds.tsv for `make image-report`; the full log is
+# $DLC_CACHE/image-build.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export DOCKER=${DOCKER:-/usr/bin/docker} DOCKER_BUILDKIT=1
+GPU=${GPU:-0}
+PYTHON=${PYTHON:-python3.11}
+CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
+CPU_BASE=dlcluster/base:bookworm
+GPU_BASE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04
+die() { echo "image: error: $*" >&2; exit 1; }
+
+case $GPU in
+  0) IMAGE=${IMAGE:-dlcluster:cpu}; BASE_IMAGE=${BASE_IMAGE:-$CPU_BASE} ;;
+  1) IMAGE=${IMAGE:-dlcluster:gpu}; BASE_IMAGE=${BASE_IMAGE:-$GPU_BASE} ;;
+  *) die "GPU must be 0 or 1 (got '$GPU')" ;;
+esac
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/python3.11 (the client's Python)"
+pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+
+docker/engine.sh
+start=$SECONDS
+
+if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+  if [ "$BASE_IMAGE" = "$CPU_BASE" ]; then
+    docker/mkbase.sh "$BASE_IMAGE"
+  else
+    die "base image $BASE_IMAGE is not in the local engine: '$DOCKER pull $BASE_IMAGE' where a registry is reachable, or on a machine that has it '$DOCKER save $BASE_IMAGE | gzip > base.tgz' and here '$DOCKER load -i base.tgz' (or set BASE_IMAGE= to one you have)"
+  fi
+fi
+t_base=$((SECONDS - start))
+
+scripts/wheelhouse.sh --link .whl >/dev/null
+t_wheels=$((SECONDS - start - t_base))
+
+secret=()
+if [ "${CA_BUNDLE:-}" != none ]; then
+  if [ -z "${CA_BUNDLE:-}" ] && compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null \
+     && [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+  fi
+  if [ -n "${CA_BUNDLE:-}" ]; then
+    [ -f "$CA_BUNDLE" ] || die "CA_BUNDLE=$CA_BUNDLE does not exist"
+    secret=(--secret "id=ca,src=$CA_BUNDLE")
+  fi
+fi
+
+commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+if [ "$commit" != unknown ] && [ -n "$(git status --porcelain -uno 2>/dev/null)" ]; then commit=$commit-dirty; fi
+
+log=$CACHE/image-build.log
+# the build's progress on the terminal: each step once, as it starts, cut to one line
+show_steps() {
+  local line
+  declare -A seen=()
+  while IFS= read -r line; do
+    if [ -z "${seen[$line]:-}" ]; then seen[$line]=1; echo "${line:0:150}"; fi
+  done
+}
+echo "image: building $IMAGE from $BASE_IMAGE (log: $log; a first build takes about 10 minutes)"
+b0=$SECONDS
+set +e
+"$DOCKER" build --progress=plain -f docker/Dockerfile -t "$IMAGE" "${secret[@]}" \
+  --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON_VERSION="$pyver" \
+  --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
+  tee "$log" | grep --line-buffered -E '^#[0-9]+ (\[[a-z]+ +[0-9]+/[0-9]+\]|CACHED$)|ERROR' | show_steps
+rc=${PIPESTATUS[0]}
+set -e
+t_build=$((SECONDS - b0))
+if [ "$rc" != 0 ]; then
+  echo "--- last lines of $log:" >&2
+  tail -n 40 "$log" >&2
+  die "docker build of $IMAGE failed (exit $rc); full log: $log"
+fi
+
+steps=$(grep -Eo '^#[0-9]+ \[[a-z]+ +[0-9]+/[0-9]+\]' "$log" | sort -u | wc -l)
+cached=$(grep -Ec '^#[0-9]+ CACHED$' "$log" || true)
+total=$((SECONDS - start))
+printf '%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n' "$(date -u +%FT%TZ)" "$IMAGE" "$BASE_IMAGE" "$total" \
+  "$t_base" "$t_wheels" "$t_build" "$steps" "$cached" >>"$CACHE/image-builds.tsv"
+size=$("$DOCKER" image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')
+echo "image: $IMAGE built in $total s (base $t_base s, wheelhouse $t_wheels s, docker build $t_build s; $cached of $steps steps cached), $size"

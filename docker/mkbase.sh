@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A Debian base image made without any registry: debootstrap a minimal root file system and
+# `docker import` it. For air-gapped sites, and for this project's tests (nothing is pulled).
+#
+# usage: docker/mkbase.sh [--force] [NAME]
+#   NAME     the image to make (default dlcluster/base:bookworm); an existing one is kept
+#            unless --force
+#   SUITE    Debian release (default bookworm: its python3.11 is the project's Python)
+#   MIRROR   Debian mirror (default http://deb.debian.org/debian; a local mirror in air-gapped
+#            sites)
+# Needs root and debootstrap (installed from Debian's packages when missing). 1-3 minutes,
+# about 120 MB. The image is plain Debian (minbase + ca-certificates); docker/Dockerfile adds
+# Python and the rest.
+set -euo pipefail
+
+DOCKER=${DOCKER:-/usr/bin/docker}
+SUITE=${SUITE:-bookworm}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+die() { echo "mkbase: error: $*" >&2; exit 1; }
+
+force=0
+if [ "${1:-}" = "--force" ]; then force=1; shift; fi
+[ $# -le 1 ] || die "usage: $0 [--force] [NAME]"
+name=${1:-dlcluster/base:$SUITE}
+
+"$(dirname "$0")/engine.sh"
+
+if [ "$force" = 0 ] && "$DOCKER" image inspect "$name" >/dev/null 2>&1; then
+  echo "mkbase: $name already exists (--force to make it again)"
+  exit 0
+fi
+[ "$(id -u)" = 0 ] || die "debootstrap needs root"
+if ! command -v debootstrap >/dev/null; then
+  echo "mkbase: installing debootstrap (apt-get)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } \
+    >/dev/null 2>&1 || die "apt-get install debootstrap failed; install it and run again"
+fi
+
+root=$(mktemp -d /var/tmp/dlcluster-rootfs.XXXXXX)
+trap 'rm -rf "$root"' EXIT
+echo "mkbase: debootstrap $SUITE from $MIRROR (1-3 minutes)"
+start=$SECONDS
+debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$root" "$MIRROR" \
+  >"$root.log" 2>&1 || die "debootstrap failed; log: $root.log"
+rm -f "$root.log"
+# the release's updates and security fixes, like the official debian images
+cat >"$root/etc/apt/sources.list" <<EOF
+deb $MIRROR $SUITE main
+deb $MIRROR $SUITE-updates main
+deb ${MIRROR%/debian}/debian-security $SUITE-security main
+EOF
+rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+tar --numeric-owner -C "$root" -c . |
+  "$DOCKER" import --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' - "$name" >/dev/null \
+  || die "docker import failed"
+echo "mkbase: $name made in $((SECONDS - start)) s ($("$DOCKER" image inspect -f '{{.Size}}' "$name" | awk '{printf "%d MB", $1/1e6}'))"

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# make wheels: a wheelhouse holding every wheel of the project's pinned stack, so that the image
+# build installs it with no index (pip --no-index) and fetches nothing the machine already has.
+#
+# usage: scripts/wheelhouse.sh [--link DIR]
+#   prints the wheelhouse's path: ${DLC_CACHE:-~/.cache/dlcluster}/wheelhouse/<key>, where the key
+#   is the environment's (scripts/envkey.py: Python version + pins). It holds
+#     *.whl               the pins in pyproject.toml and everything they pull in, plus pip,
+#                         setuptools and wheel (pip wheel: an sdist-only package becomes a wheel);
+#     requirements.txt    what the image installs: the runtime pins, one a line;
+#     constraints.txt     every version of the project's virtualenv (pip freeze), when it exists,
+#                         so the image resolves to exactly the packages the client has;
+#     horovod-0.28.1.tar.gz  the sdist scripts/build_horovod.sh compiles (checked by its sha256);
+#     torch/              hard links to torch, torchvision, their dependencies, pip, setuptools and
+#                         wheel, with a requirements.txt pinning each (the image's first layer).
+#   --link DIR  also mirror it into DIR (hard links, so no second copy on the same file system):
+#               make image links it into .whl/ in the repository, the docker build context.
+# pip wheel takes its files from pip's configuration (find-links, extra indexes, its cache); the
+# first run takes minutes (about 7 GB), later ones return at once (a .complete marker).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
+HVD_SDIST=horovod-0.28.1.tar.gz
+die() { echo "wheelhouse: error: $*" >&2; exit 1; }
+
+link=
+if [ "${1:-}" = "--link" ]; then [ $# -eq 2 ] || die "usage: $0 [--link DIR]"; link=$2; shift 2; fi
+[ $# -eq 0 ] || die "usage: $0 [--link DIR]"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
+
+key=$("$PYTHON" scripts/envkey.py)
+house=$CACHE/wheelhouse/$key
+
+if [ ! -f "$house/.complete" ]; then
+  echo "wheelhouse: collecting the pinned stack into $house (first time for these pins; minutes)" >&2
+  rm -rf "$house"
+  mkdir -p "$house"
+  # The image's runtime requirements: the project's pins (dev tools stay out of images).
+  "$PYTHON" - >"$house/requirements.txt" <<'EOF'
+import tomllib
+for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    print(r)
+EOF
+  # Horovod's own run-time needs (it is compiled, not in the pins) and the build tools.
+  printf '%s\n' cloudpickle psutil pyyaml packaging cffi >>"$house/requirements.txt"
+  venv=$CACHE/venv-$key
+  if [ -f "$venv/.complete" ]; then
+    "$venv/bin/python" -m pip freeze --exclude-editable | grep -E '^[A-Za-z0-9_.-]+==' >"$house/constraints.txt"
+  else
+    : >"$house/constraints.txt"
+  fi
+  "$PYTHON" -m pip wheel --progress-bar off -q -w "$house" -r "$house/requirements.txt" \
+    -c "$house/constraints.txt" pip==25.3 "setuptools>=68" wheel >"$house/pip.log" 2>&1 \
+    || die "pip wheel failed; log: $house/pip.log"
+  # the Horovod sdist: build_horovod.sh's cached copy, else the package index
+  src=$CACHE/wheels/src/$HVD_SDIST
+  if [ -f "$src" ]; then cp "$src" "$house/"; else
+    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$house" horovod==0.28.1 >>"$house/pip.log" 2>&1 \
+      || die "pip download horovod==0.28.1 failed; log: $house/pip.log"
+  fi
+  # torch/: torch + torchvision, what they pull in and the packaging tools, fully pinned. The image
+  # installs this first and compiles Horovod against it alone, so changing any other pin reuses
+  # both layers. (pip download copies; the copies are then swapped for hard links.)
+  grep -E '^(torch|torchvision)==' "$house/requirements.txt" >"$house/torch.in"
+  "$PYTHON" -m pip download -q --no-index --find-links "$house" -c "$house/constraints.txt" -d "$house/torch" \
+    -r "$house/torch.in" pip==25.3 "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
+    || die "pip download of the torch subset failed; log: $house/pip.log"
+  for f in "$house"/torch/*.whl; do
+    ln -f "$house/${f##*/}" "$f"
+    n=${f##*/}; echo "${n%%-*}==$(cut -d- -f2 <<<"$n")"
+  done >"$house/torch/requirements.txt"
+  rm "$house/torch.in"
+  touch "$house/.complete"
+  for old in "$CACHE"/wheelhouse/*; do  # wheelhouses of earlier pins: 4 GB each
+    if [ "$old" != "$house" ]; then echo "wheelhouse: removing the outdated $old" >&2; rm -rf "$old"; fi
+  done
+fi
+
+if [ -n "$link" ]; then
+  rm -rf "$link"
+  mkdir -p "$link"
+  # hard links where the file system allows, a copy where it does not
+  cp -al "$house"/. "$link"/ 2>/dev/null || { rm -rf "$link"; cp -a "$house" "$link"; }
+fi
+echo "$house"
