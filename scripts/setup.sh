@@ -19,8 +19,13 @@ if [ ! -f "$venv/.complete" ]; then
   "$PYTHON" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip==25.3
   reqs=$("$PYTHON" scripts/envkey.py --requirements)
+  # The wheelhouse of these pins (`make wheels`, also what the image installs from), when there
+  # is one: pip takes its wheels from there first (an air-gapped host can carry it over).
+  house="$CACHE/wheelhouse/$key"
+  links=()
+  if [ -f "$house/.complete" ]; then links=(--find-links "$house"); fi
   # shellcheck disable=SC2086  # one requirement a word, none has spaces
-  "$venv/bin/python" -m pip install --progress-bar off $reqs
+  "$venv/bin/python" -m pip install --progress-bar off "${links[@]}" $reqs
   "$venv/bin/python" -m pip check
   touch "$venv/.complete"
   ln -sfn "$venv" .venv
