@@ -26,8 +26,6 @@ PYTEST_ARGS     ?=
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT
 VENV := .venv
 PY   := $(VENV)/bin/python
-SUBMIT = . $(DLC_CONFIG)/ray-client.env && $(VENV)/bin/ray job submit \
-         --address http://127.0.0.1:$(DASHBOARD_PORT) --working-dir .
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
@@ -49,10 +47,10 @@ cluster-down: setup ## stop only the processes cluster-up started
 	@$(PY) ray/local_cluster.py down
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit)
-	@$(SUBMIT) -- python jobs/$(JOB).py $(ARGS)
+	@ray/submit.sh $(JOB) $(ARGS)
 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
-	@$(SUBMIT) -- python jobs/ddp_autoencoder.py $(ARGS)
+	@ray/submit.sh ddp_autoencoder $(ARGS)
 
 test: lint test-unit test-cluster test-image ## every test tier (lint, unit, local cluster, container images)
 
