@@ -36,4 +36,6 @@ fi
 ln -sfn "$venv" .venv
 # Horovod is compiled once per (horovod, torch, patch) and cached as a wheel (scripts/build_horovod.sh).
 if [ -x scripts/build_horovod.sh ]; then scripts/build_horovod.sh .venv; fi
+# Ansible and its linters, in a small environment of their own (.venv-ansible).
+scripts/setup_ansible.sh
 echo "setup: .venv -> $venv ready"

@@ -1,0 +1,48 @@
+"""Print the one line that says why a playbook run failed, from its log.
+
+usage: ansible_failure.py LOG WHAT
+Reads Ansible's output (the default callback, results as YAML), takes the last `fatal:` result
+and prints `WHAT: error: [host] <its msg> (log: LOG)`; a failure before any task ran (a bad
+inventory, a syntax error) prints Ansible's own ERROR line instead.
+"""
+
+import re
+import sys
+
+import yaml
+
+
+def failure(text: str) -> str | None:
+    lines = text.splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        m = re.match(r"^fatal: \[([^\]]+)\]: (FAILED|UNREACHABLE)! =>\s*(.*)$", line)
+        if m:
+            body, j = [m.group(3)] if m.group(3).strip() else [], i + 1
+            while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+                body.append(lines[j])
+                j += 1
+            try:
+                result = yaml.safe_load("\n".join(body)) or {}
+            except yaml.YAMLError:
+                result = {}
+            msg = result.get("msg") if isinstance(result, dict) else None
+            found = f"[{m.group(1)}] {' '.join(str(msg or m.group(2).lower()).split())}"
+    if found:
+        return found
+    for line in lines:
+        if line.startswith("ERROR!") or line.startswith("[ERROR]"):
+            return " ".join(line.split(":", 1)[-1].split()) if line.startswith("[ERROR]") else line[7:]
+    return None
+
+
+def main() -> int:
+    log, what = sys.argv[1], sys.argv[2]
+    with open(log, errors="replace") as f:
+        line = failure(f.read())
+    print(f"{what}: error: {line or 'the playbook failed'} (log: {log})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

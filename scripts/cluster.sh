@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# make cluster-up / cluster-status / cluster-down / tunnel.
+#
+#   usage: scripts/cluster.sh up|status|down
+#
+# INVENTORY empty: the embedded local cluster on this machine (ray/local_cluster.py).
+# INVENTORY set:   real (or emulated) servers through their bastion: the playbook
+#                  ansible/cluster-<action>.yml. Ansible's output goes to the terminal and to
+#                  $DLC_CONFIG/clusters/<inventory folder>/<action>.log; a failure ends with one
+#                  line naming the host and the problem.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+action=${1:-}
+die() { echo "cluster-$action: error: $*" >&2; exit 2; }
+case "$action" in up|status|down) ;; *) action=cluster; die "usage: $0 up|status|down" ;; esac
+
+if [ -z "${INVENTORY:-}" ]; then
+  exec .venv/bin/python ray/local_cluster.py "$action"
+fi
+
+[ -e "$INVENTORY" ] || die "no inventory $INVENTORY: copy ansible/inventories/example to ansible/inventories/<name> and edit it"
+inventory=$(realpath "$INVENTORY")
+[ -x .venv-ansible/bin/ansible-playbook ] || die "no .venv-ansible: run make setup"
+
+# The cluster's name is its inventory's folder (as roles/cluster_defaults works it out).
+if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
+config=${DLC_CONFIG:-$HOME/.config/dlcluster}
+mkdir -p "$config/clusters/$name" && chmod 700 "$config/clusters/$name"
+log="$config/clusters/$name/$action.log"
+
+export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
+# Ansible's own connection sockets, per cluster: an old connection can never stand in for the
+# generated ssh config (FINDINGS: ControlPersist hides a broken config otherwise).
+export ANSIBLE_SSH_CONTROL_PATH_DIR="$config/clusters/$name/cp"
+export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
+
+set +e
+(cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
+   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" ${ANSIBLE_ARGS:-} "cluster-$action.yml") 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" -ne 0 ]; then
+  .venv-ansible/bin/python scripts/ansible_failure.py "$log" "cluster-$action" >&2 || true
+  exit "$rc"
+fi

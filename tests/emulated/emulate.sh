@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The emulated cluster: real servers as containers on this machine, for `make emulate-up` and CI.
+#
+#   usage: tests/emulated/emulate.sh up|down|status
+#
+#   up      a bastion on a public and a private docker network, three nodes on the private one
+#           only (systemd, sshd, an `ops` sudo account), a docker volume mounted at
+#           /srv/dlcluster on every node as the operator-named shared storage, and the host
+#           blocked from the private network (iptables), so the only way in is ssh through the
+#           bastion. The ssh key is made here at run time ($DLC_CONFIG/emulated/id_ed25519) and
+#           only its public half is put into the containers. Then provision it like real servers:
+#           make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml
+#   down    remove the containers, networks, volume and the iptables rule (the key stays)
+#   status  what is running
+#
+# Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
+# public 172.31.250.0/24 (bastion .10), private 172.31.251.0/24 (bastion .10, node-N .1N).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+DOCKER=${DOCKER:-/usr/bin/docker}
+export DOCKER_BUILDKIT=1
+CONFIG=${DLC_CONFIG:-$HOME/.config/dlcluster}
+KEYDIR=$CONFIG/emulated
+NODES=(node-1 node-2 node-3)
+PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24
+PRIV_NET=dlc-emu-private PRIV_BRIDGE=dlc-emu-priv PRIV_SUBNET=172.31.251.0/24
+BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10
+VOLUME=dlc-emu-shared
+NODE_IMAGE=dlcluster/emu-node BASTION_IMAGE=dlcluster/emu-bastion
+
+say() { echo "emulate: $*"; }
+die() { echo "emulate: error: $*" >&2; exit 2; }
+node_ip() { echo "172.31.251.1${1#node-}"; }
+exists() { "$DOCKER" inspect "$1" >/dev/null 2>&1; }
+
+# Systemd as PID 1 in a container: its own /run, the cgroup tree read-only, and the capabilities
+# this VM grants (--privileged is refused here; FINDINGS.md).
+SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro
+              --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined
+              --security-opt systempaths=unconfined --restart unless-stopped)
+
+block_host() {  # the host reaches the private network only through the bastion
+  iptables -C OUTPUT -o "$PRIV_BRIDGE" -j REJECT 2>/dev/null \
+    || iptables -I OUTPUT -o "$PRIV_BRIDGE" -j REJECT
+}
+
+install_key() {  # $1 container: authorize the run-time key for `ops`, as first-boot scripts do
+  "$DOCKER" exec -i "$1" sh -c 'install -d -m 700 -o ops -g ops ~ops/.ssh &&
+    cat >~ops/.ssh/authorized_keys && chown ops:ops ~ops/.ssh/authorized_keys &&
+    chmod 600 ~ops/.ssh/authorized_keys' <"$KEYDIR/id_ed25519.pub"
+}
+
+wait_sshd() {  # $1 container
+  for _ in $(seq 60); do
+    "$DOCKER" exec "$1" systemctl is-active -q ssh 2>/dev/null && return 0
+    sleep 1
+  done
+  die "sshd did not start in $1; see: $DOCKER exec $1 journalctl -u ssh"
+}
+
+up() {
+  [ "$(id -u)" = 0 ] || die "the emulated cluster needs root (docker networks, iptables)"
+  docker/engine.sh
+  "$DOCKER" image inspect dlcluster:cpu >/dev/null 2>&1 \
+    || die "no dlcluster:cpu image for the nodes: run make image first"
+  say "building the server images (bastion: bare Debian; nodes: the project's image + sshd)"
+  "$DOCKER" build -q -t "$BASTION_IMAGE" --build-arg BASE=dlcluster/base:bookworm tests/emulated >/dev/null
+  "$DOCKER" build -q -t "$NODE_IMAGE" --build-arg BASE=dlcluster:cpu tests/emulated >/dev/null
+
+  mkdir -p "$KEYDIR" && chmod 700 "$KEYDIR"
+  if [ ! -f "$KEYDIR/id_ed25519" ]; then
+    ssh-keygen -q -t ed25519 -N '' -C "dlcluster-emulated" -f "$KEYDIR/id_ed25519"
+    say "made the ssh key $KEYDIR/id_ed25519"
+  fi
+  exists "$PUB_NET" || "$DOCKER" network create --subnet "$PUB_SUBNET" \
+    -o com.docker.network.bridge.name="$PUB_BRIDGE" "$PUB_NET" >/dev/null
+  exists "$PRIV_NET" || "$DOCKER" network create --internal --subnet "$PRIV_SUBNET" \
+    -o com.docker.network.bridge.name="$PRIV_BRIDGE" "$PRIV_NET" >/dev/null
+  "$DOCKER" volume inspect "$VOLUME" >/dev/null 2>&1 || "$DOCKER" volume create "$VOLUME" >/dev/null
+  block_host
+
+  local fresh=()
+  if ! exists dlc-emu-bastion; then
+    "$DOCKER" run -d --name dlc-emu-bastion --hostname bastion "${SYSTEMD_OPTS[@]}" \
+      --network "$PUB_NET" --ip "$BASTION_PUB" "$BASTION_IMAGE" >/dev/null
+    "$DOCKER" network connect --ip "$BASTION_PRIV" "$PRIV_NET" dlc-emu-bastion
+    fresh+=("$BASTION_PUB" "$BASTION_PRIV")
+  fi
+  for n in "${NODES[@]}"; do
+    exists "dlc-emu-$n" && continue
+    # --shm-size: Ray's object store and the DataLoaders live in /dev/shm (docker's is 64 MB)
+    "$DOCKER" run -d --name "dlc-emu-$n" --hostname "$n" "${SYSTEMD_OPTS[@]}" --shm-size 2g \
+      --network "$PRIV_NET" --ip "$(node_ip "$n")" -v "$VOLUME:/srv/dlcluster" "$NODE_IMAGE" >/dev/null
+    fresh+=("$(node_ip "$n")")
+  done
+  for c in dlc-emu-bastion "${NODES[@]/#/dlc-emu-}"; do
+    [ "$("$DOCKER" inspect -f '{{.State.Running}}' "$c")" = true ] || "$DOCKER" start "$c" >/dev/null
+    wait_sshd "$c"
+    install_key "$c"
+  done
+  # New containers are new machines with new host keys: forget the old ones in the cluster's
+  # known_hosts (any other host key change is still refused there).
+  local kh=$CONFIG/clusters/emulated/known_hosts
+  if [ -f "$kh" ]; then
+    for ip in "${fresh[@]}"; do ssh-keygen -q -R "$ip" -f "$kh" >/dev/null 2>&1 || true; done
+  fi
+  say "up: bastion $BASTION_PUB (public) / $BASTION_PRIV (private); nodes ${NODES[*]} on $PRIV_SUBNET"
+  say "next: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml"
+}
+
+down() {
+  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion; do
+    exists "$c" && "$DOCKER" rm -f "$c" >/dev/null && say "removed $c"
+  done
+  for net in "$PRIV_NET" "$PUB_NET"; do
+    exists "$net" && "$DOCKER" network rm "$net" >/dev/null
+  done
+  "$DOCKER" volume rm "$VOLUME" >/dev/null 2>&1 || true
+  while iptables -D OUTPUT -o "$PRIV_BRIDGE" -j REJECT 2>/dev/null; do :; done
+  say "down (the key in $KEYDIR stays)"
+}
+
+status() {
+  "$DOCKER" ps -a --filter name=dlc-emu- --format '{{.Names}}\t{{.Status}}\t{{.Networks}}'
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  *) die "usage: $0 up|down|status" ;;
+esac
