@@ -22,14 +22,19 @@ JOB             ?= ddp_autoencoder
 ARGS            ?=
 # extra flags for pytest
 PYTEST_ARGS     ?=
+# servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
+INVENTORY       ?=
+# extra flags for ansible-playbook (e.g. --limit node-2, -v)
+ANSIBLE_ARGS    ?=
 
-export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT
+export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
+       INVENTORY ANSIBLE_ARGS
 VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
-        test-cluster lint bench-ae clean
+        test-cluster lint bench-ae clean emulate-up emulate-down emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -37,14 +42,14 @@ help: ## list the targets
 setup: ## make the pinned virtualenv (.venv; cached, seconds when nothing changed)
 	@scripts/setup.sh
 
-cluster-up: setup ## start the local Ray cluster: a head + NODES-1 workers, token auth on
-	@$(PY) ray/local_cluster.py up
+cluster-up: setup ## INVENTORY set: provision its servers through the bastion, start Ray, open the tunnel; else a local cluster
+	@scripts/cluster.sh up
 
-cluster-status: setup ## nodes and resources of the running cluster
-	@$(PY) ray/local_cluster.py status
+cluster-status: setup ## each node's Ray service and the nodes and resources the head sees
+	@scripts/cluster.sh status
 
-cluster-down: setup ## stop only the processes cluster-up started
-	@$(PY) ray/local_cluster.py down
+cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
+	@scripts/cluster.sh down
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit)
 	@ray/submit.sh $(JOB) $(ARGS)
@@ -52,7 +57,7 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: lint test-unit test-cluster test-image ## every test tier (lint, unit, local cluster, container images)
+test: lint test-unit test-cluster test-image test-emulated ## every test tier (lint, unit, local cluster, images, emulated cluster)
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -60,8 +65,8 @@ test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 test-cluster: setup ## jobs end to end on a throwaway local 2-node cluster via ray job submit
 	@$(PY) -m pytest tests/cluster $(PYTEST_ARGS)
 
-lint: setup ## ruff over the Python code
-	@$(VENV)/bin/ruff check .
+lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
+	@scripts/lint.sh
 
 bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the running cluster
 	@. $(DLC_CONFIG)/ray-client.env && $(PY) tests/bench/bench_autoencoder.py $(ARGS)
@@ -99,3 +104,16 @@ test-image: image-test ## the same as image-test (the test-* name of the tier)
 
 image-report: ## the image's size per layer group and its build times, cold and warm
 	@$(PYTHON) docker/report.py
+
+# ---- the emulated cluster (tests/emulated/; README "An emulated cluster")
+emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)
+	@tests/emulated/emulate.sh up
+
+emulate-down: ## remove the emulated cluster's containers, networks, volume and iptables rule
+	@tests/emulated/emulate.sh down
+
+emulate-status: ## the emulated cluster's containers
+	@tests/emulated/emulate.sh status
+
+test-emulated: setup ## emulate-up, cluster-up through the bastion, the README's job via the tunnel, smoke, idempotence, bad input, cluster-down
+	@$(PY) -m pytest tests/emulated $(PYTEST_ARGS)

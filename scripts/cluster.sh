@@ -23,7 +23,7 @@ fi
 inventory=$(realpath "$INVENTORY")
 [ -x .venv-ansible/bin/ansible-playbook ] || die "no .venv-ansible: run make setup"
 
-# The cluster's name is its inventory's folder (as roles/cluster_defaults works it out).
+# The cluster's name is its inventory's folder (as roles/dlc works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
 config=${DLC_CONFIG:-$HOME/.config/dlcluster}
 mkdir -p "$config/clusters/$name" && chmod 700 "$config/clusters/$name"
@@ -35,9 +35,10 @@ export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 export ANSIBLE_SSH_CONTROL_PATH_DIR="$config/clusters/$name/cp"
 export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 
+read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
-   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" ${ANSIBLE_ARGS:-} "cluster-$action.yml") 2>&1 | tee "$log"
+   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" "${extra[@]}" "cluster-$action.yml") 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then

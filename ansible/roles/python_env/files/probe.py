@@ -21,5 +21,5 @@ for pin in json.loads(sys.argv[1]):
     have = version(name.split("[")[0])
     if have != want:
         missing.append(f"{pin} (have {have})")
-print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": version("ray"),
+print(json.dumps({"python": "{}.{}".format(*sys.version_info[:2]), "ray": version("ray"),
                   "horovod": version("horovod"), "missing": missing}))
