@@ -27,12 +27,18 @@ def failure(text: str) -> str | None:
             except yaml.YAMLError:
                 result = {}
             msg = result.get("msg") if isinstance(result, dict) else None
-            found = f"[{m.group(1)}] {' '.join(str(msg or m.group(2).lower()).split())}"
+            text = " ".join(str(msg or m.group(2).lower()).split())
+            # the control host's checks name the host they are about in the message itself
+            found = text if m.group(1) == "localhost" else f"[{m.group(1)}] {text}"
     if found:
         return found
     for line in lines:
-        if line.startswith("ERROR!") or line.startswith("[ERROR]"):
-            return " ".join(line.split(":", 1)[-1].split()) if line.startswith("[ERROR]") else line[7:]
+        if line.startswith(("ERROR!", "[ERROR]")):
+            text = " ".join(line.split(":", 1)[-1].split()) if line.startswith("[ERROR]") else line[7:]
+            m = re.search(r"parse inventory source (\S+)", text)
+            if m:
+                text += f"; `ansible-inventory -i {m.group(1)} --list` shows where"
+            return text
     return None
 
 

@@ -1,0 +1,187 @@
+"""make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
+operator does with it: the README's job through the tunnel, make smoke, a second cluster-up, a
+node that goes down and comes back, bad inventories, cluster-down. In file order."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import BIN, NODES, PORT, REPO, recap, run
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
+    assert emulated.up.returncode == 0, emulated.up.stdout[-3000:] + emulated.up.stderr[-2000:]
+    hosts = recap(emulated.up.stdout)
+    assert set(hosts) == {"localhost", "bastion", *NODES}, hosts
+    assert all(h["failed"] == 0 and h["unreachable"] == 0 for h in hosts.values()), hosts
+    desc = json.loads((emulated.config / "cluster.json").read_text())
+    assert desc["kind"] == "ansible" and desc["job_api"] == f"http://127.0.0.1:{PORT}"
+    assert {n["name"]: n["ip"] for n in desc["nodes"]} == NODES
+    assert [n["role"] for n in desc["nodes"]].count("head") == 1
+    # first contact with each machine recorded: the bastion's and every node's host key
+    known = (emulated.cluster_dir / "known_hosts").read_text().split()
+    for ip in ["172.31.250.10", *NODES.values()]:
+        assert ip in known
+    assert oct((emulated.cluster_dir / "ray_token").stat().st_mode & 0o777) == "0o600"
+    assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+
+
+def test_nodes_are_reachable_only_through_the_bastion(emulated, tmp_path):
+    for ip in NODES.values():
+        with pytest.raises(OSError):
+            socket.create_connection((ip, 22), timeout=3).close()
+    assert emulated.ssh("node-2", "hostname").stdout.strip() == "node-2"
+    # scp in one hop with the generated config, as the tutorial wanted
+    (tmp_path / "hello.txt").write_text("hello node-3\n")
+    cp = run(["scp", "-F", str(emulated.ssh_config), "-o", "BatchMode=yes", str(tmp_path / "hello.txt"),
+              "node-3:/tmp/hello.txt"], emulated.env, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert emulated.ssh("node-3", "cat", "/tmp/hello.txt").stdout == "hello node-3\n"
+
+
+def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
+    assert emulated.api("/api/jobs/")[0] in (401, 403)
+    assert emulated.api("/api/jobs/", "0" * 64)[0] in (401, 403)
+    assert emulated.api("/api/jobs/", emulated.token())[0] == 200
+    listen = emulated.ssh("node-1", "ss", "-ltn").stdout
+    dashboard = [line.split()[3] for line in listen.splitlines() if line.split()[3:4]
+                 and line.split()[3].endswith(":8265")]
+    assert dashboard == ["172.31.251.11:8265"], listen
+    # Ray binds the GCS and the raylet to every interface: the DLC-RAY chain keeps them private
+    for node in NODES:
+        rules = emulated.ssh(node, "sudo", "iptables", "-S").stdout
+        assert "--dports 6379,8265,10001," in rules and "-j DLC-RAY" in rules, rules
+        assert "-A DLC-RAY -s 172.31.251.0/24 -j ACCEPT" in rules and "-A DLC-RAY -j DROP" in rules
+
+
+def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
+    # exactly the README's line, with the env that make cluster-up wrote
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
+           "--working-dir", ".", "--", "python", "jobs/ddp_autoencoder.py"]
+    proc = subprocess.run(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1200)
+    print(proc.stdout[-5000:])
+    assert proc.returncode == 0 and "succeeded" in proc.stdout
+    model = re.search(r"ONNX model: (\S+)", proc.stdout).group(1)
+    manifest_path = re.search(r"manifest: +(\S+)", proc.stdout).group(1)
+    assert model.startswith("/srv/dlcluster/models/")
+    # the ranks ran on different nodes
+    ips = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", proc.stdout))
+    assert len(ips | {"172.31.251.11"}) >= 2, ips
+    # the model is on the shared storage: a worker node sees it
+    assert emulated.ssh("node-3", "test", "-s", model).returncode == 0
+    manifest = json.loads(emulated.ssh("node-2", "cat", manifest_path).stdout)
+    assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
+    assert manifest["world_size"] == 2
+
+
+def test_smoke_passes_across_the_cluster(emulated, tmp_path):
+    report = tmp_path / "smoke.json"
+    proc = run(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"], emulated.env,
+               timeout=1500)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    data = json.loads(report.read_text())
+    steps = {s["name"]: s for s in data["steps"]}
+    assert set(steps) >= {"nodes", "allreduce", "trainers", "proxyjump"}
+    for name, step in steps.items():
+        assert step["ok"] and not step.get("skipped"), (name, step)
+
+
+def test_second_cluster_up_changes_nothing(emulated):
+    again = emulated.cluster("up")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
+    hosts = recap(again.stdout)
+    assert set(hosts) == {"localhost", "bastion", *NODES}
+    assert {h: v["changed"] for h, v in hosts.items()} == {h: 0 for h in hosts}, hosts
+
+
+def test_a_node_that_is_down_is_named_and_nothing_is_changed(emulated):
+    docker = "/usr/bin/docker"
+    run([docker, "stop", "dlc-emu-node-3"], emulated.env, check=True)
+    try:
+        proc = emulated.cluster("up")
+        assert proc.returncode != 0
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("cluster-up: error:") and "node-3" in last and "unreachable" in last, last
+        assert "nothing was changed" in last
+        assert "PLAY [Nodes" not in proc.stdout
+    finally:
+        run([docker, "start", "dlc-emu-node-3"], emulated.env, check=True)
+    # the node boots, systemd starts dlc-ray, and it joins the head again without any help
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+
+def test_a_changed_host_key_is_refused(emulated, tmp_path):
+    known = emulated.cluster_dir / "known_hosts"
+    saved = known.read_text()
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], emulated.env,
+        check=True)
+    other = (tmp_path / "other.pub").read_text().split()
+    lines = [f"{ln.split()[0]} {other[0]} {other[1]}" if ln.startswith("172.31.251.12 ") else ln
+             for ln in saved.splitlines()]
+    known.write_text("\n".join(lines) + "\n")
+    try:
+        proc = emulated.cluster("up")
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode != 0 and "node-2" in last and "host key" in last, last
+    finally:
+        known.write_text(saved)
+
+
+def _inventory(tmp_path: Path, name: str, text: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "hosts.yml").write_text(text)
+    return folder / "hosts.yml"
+
+
+EMULATED = (REPO / "ansible/inventories/emulated/hosts.yml").read_text()
+
+
+@pytest.mark.parametrize("name,edit,expect", [
+    ("no-bastion", lambda t: re.sub(r"    bastions:\n      hosts:\n        bastion:\n.*\n.*\n", "", t),
+     "names 0 bastions"),
+    ("bastion-unreachable", lambda t: t.replace("ansible_host: 172.31.250.10", "ansible_host: 172.31.250.99"),
+     "bastion"),
+    ("wrong-key", None, "is not accepted"),
+    ("missing-key", lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
+     "does not exist"),
+    ("unparsable", lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
+])
+def test_bad_input_is_one_line_and_touches_no_node(emulated, tmp_path, name, edit, expect):
+    if name == "wrong-key":
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")],
+            emulated.env, check=True)
+        text = EMULATED.replace('"{{ dlc_config }}/emulated/id_ed25519"', str(tmp_path / "wrong"))
+    else:
+        text = edit(EMULATED)
+    assert text != EMULATED
+    proc = emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error:") and expect in last, proc.stderr[-2000:]
+    assert "PLAY [Nodes" not in proc.stdout
+    if name == "bastion-unreachable":
+        assert "unreachable" in last and "172.31.250.99" in last
+
+
+def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):
+    proc = emulated.cluster("down", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    for node in NODES:
+        assert emulated.ssh(node, "systemctl", "is-active", "dlc-ray").stdout.strip() == "inactive"
+    assert not (emulated.config / "cluster.json").exists()
+    assert not (emulated.config / "ray-client.env").exists()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", PORT), timeout=3).close()
+    # the models stay on the shared storage
+    assert emulated.ssh("node-1", "ls", "/srv/dlcluster/models").stdout.strip()
