@@ -1,0 +1,146 @@
+"""The Ansible side without servers: the one-line ssh diagnoses, the failure line of a playbook
+log, the playbooks' syntax against both inventories, and the README naming every variable."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import ansible_failure  # noqa: E402
+import dlc_ssh  # noqa: E402
+
+KEY, KH = "/home/u/.ssh/id_ed25519", "/home/u/.config/dlcluster/clusters/lab/known_hosts"
+
+
+@pytest.mark.parametrize(
+    "stderr,expect",
+    [
+        (
+            "ops@10.0.0.1: Permission denied (publickey).\n",
+            "the key /home/u/.ssh/id_ed25519 is not accepted for ops",
+        ),
+        (
+            "@@@@\n@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n@@@@\n"
+            "Host key verification failed.\n",
+            "ssh-keygen -R 10.0.0.1 -f " + KH,
+        ),
+        (
+            "ssh: connect to host 10.0.0.1 port 22: Connection timed out\n",
+            "unreachable (ssh: connect to host",
+        ),
+        (
+            "channel 0: open failed: connect failed: No route to host\nstdio forwarding failed\n"
+            "Connection closed by UNKNOWN port 65535\n",
+            "unreachable (channel 0: open failed: connect failed: No route to host)",
+        ),
+        ("ssh: Could not resolve hostname gpu-x: Name or service not known\n", "the name does not resolve"),
+        ("something odd\n", "ssh failed: something odd"),
+    ],
+)
+def test_ssh_problem_names_host_problem_and_fix(stderr, expect):
+    line = dlc_ssh.ssh_problem(stderr, "gpu-node-3", "10.0.0.1", "ops", KEY, KH, via="bastion")
+    assert line.startswith("gpu-node-3 (ops@10.0.0.1, through bastion): ")
+    assert expect in line and "\n" not in line
+
+
+def test_ssh_problems_lists_only_failed_nodes():
+    results = [
+        {"item": "n1", "rc": 0, "stderr": ""},
+        {"item": "n2", "rc": 255, "stderr": "ssh: connect to host 10.0.0.2 port 22: Connection refused"},
+    ]
+    hostvars = {"n1": {"ansible_host": "10.0.0.1"}, "n2": {"ansible_host": "10.0.0.2", "ansible_user": "ops"}}
+    out = dlc_ssh.ssh_problems(results, hostvars, KEY, KH, "bastion", "me")
+    assert len(out) == 1 and out[0].startswith("n2 (ops@10.0.0.2, through bastion): unreachable")
+
+
+def test_failure_line_takes_the_last_fatal_msg():
+    log = """TASK [x] ***
+fatal: [node-2]: FAILED! =>
+    changed: false
+    msg: 'node-2: dlc_shared_storage_path /srv/x does not exist: mount
+        it'
+
+PLAY RECAP ***
+"""
+    assert (
+        ansible_failure.failure(log)
+        == "[node-2] node-2: dlc_shared_storage_path /srv/x does not exist: mount it"
+    )
+    log2 = "fatal: [localhost]: FAILED! => \n    changed: false\n    msg: the ssh key /k does not exist\n"
+    assert ansible_failure.failure(log2) == "the ssh key /k does not exist"
+    log3 = "[ERROR]: Completely failed to parse inventory source /x/hosts.yml\n"
+    assert ansible_failure.failure(log3).startswith(
+        "Completely failed to parse inventory source /x/hosts.yml; "
+    )
+
+
+def _run_playbook_check(inventory: str, playbook: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(REPO / ".venv-ansible/bin/ansible-playbook"), "--syntax-check", "-i", inventory, playbook],
+        cwd=ANSIBLE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+            "HOME": str(Path.home()),
+        },
+    )
+
+
+@pytest.mark.parametrize("inventory", ["inventories/example/hosts.yml", "inventories/emulated/hosts.yml"])
+@pytest.mark.parametrize("playbook", ["cluster-up.yml", "cluster-status.yml", "cluster-down.yml"])
+def test_playbooks_parse_with_each_inventory(inventory, playbook):
+    proc = _run_playbook_check(inventory, playbook)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_inventories_have_the_groups_cluster_up_needs():
+    for inv in ("example", "emulated"):
+        data = yaml.safe_load((ANSIBLE / "inventories" / inv / "hosts.yml").read_text())
+        groups = data["all"]["children"]
+        assert len(groups["bastions"]["hosts"]) == 1
+        assert len(groups["ray_head"]["hosts"]) == 1
+        assert set(groups["ray_nodes"]["children"]) == {"ray_head", "ray_workers"}
+
+
+def test_ray_version_default_is_the_projects_pin():
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    ray_pin = next(p for p in pins if p.startswith("ray[")).split("==")[1]
+    defaults = yaml.safe_load((ANSIBLE / "roles/dlc/defaults/main.yml").read_text())
+    assert defaults["dlc_ray_version"] == ray_pin
+
+
+def test_readme_names_every_ansible_variable():
+    readme = (REPO / "README.md").read_text()
+    missing = []
+    for f in sorted(ANSIBLE.glob("roles/*/defaults/main.yml")):
+        for name in yaml.safe_load(f.read_text()) or {}:
+            if name.startswith("ansible_"):
+                continue
+            # a row may name a range: `ray_object_manager_port` .. `ray_metrics_export_port`
+            if f"`{name}`" not in readme and not _in_range_row(readme, name, f):
+                missing.append(f"{name} ({f.relative_to(REPO)})")
+    assert not missing, "README's Ansible variables table lacks: " + ", ".join(missing)
+
+
+def _in_range_row(readme: str, name: str, defaults: Path) -> bool:
+    names = list(yaml.safe_load(defaults.read_text()))
+    for m in re.finditer(r"`(\w+)` \.\. `(\w+)`", readme):
+        if m.group(1) in names and m.group(2) in names:
+            i, j = names.index(m.group(1)), names.index(m.group(2))
+            if i <= names.index(name) <= j:
+                return True
+    return False
