@@ -26,6 +26,8 @@ PYTEST_ARGS     ?=
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
 ANSIBLE_ARGS    ?=
+# extra flags for make smoke (ray/smoke.py --help), e.g. --only nodes,allreduce --max-mib 64
+SMOKE_ARGS      ?=
 
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
        INVENTORY ANSIBLE_ARGS
@@ -34,7 +36,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
-        test-cluster lint bench-ae clean emulate-up emulate-down emulate-status test-emulated
+        test-cluster lint bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -67,6 +69,9 @@ test-cluster: setup ## jobs end to end on a throwaway local 2-node cluster via r
 
 lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh
+
+smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, the three trainers, ProxyJump
+	@$(PY) ray/smoke.py $(SMOKE_ARGS)
 
 bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the running cluster
 	@. $(DLC_CONFIG)/ray-client.env && $(PY) tests/bench/bench_autoencoder.py $(ARGS)

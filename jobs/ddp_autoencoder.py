@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     size = data.parse_size(args.image_size, multiple=20)
     source = data.inspect_frames(args.data, size, args.limit)
     train_idx, val_idx = data.split_indices(source.count, args.val_fraction)
-    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect())
+    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect(),
+                                        placement=args.placement)
     cluster.check_batch(args.batch_size, len(train_idx), plan.num_workers)
     say(JOB, f"run {args.name}: {source.describe()}; {plan.describe()}, batch "
           f"{args.batch_size} per worker, {args.epochs} epoch(s); storage {args.storage_path}")
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         train_loop_config={"source": source, "batch_size": args.batch_size, "epochs": args.epochs,
                            "lr": args.lr, "val_fraction": args.val_fraction},
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                     placement_strategy=plan.placement,
                                      resources_per_worker={"CPU": plan.cpus_per_worker}),
         run_config=RunConfig(name=args.name, storage_path=args.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None)),

@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             export(args, out["state"], out["metrics"], out["digests"], size)
         return
 
-    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect())
+    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect(),
+                                        placement=args.placement)
     cluster.check_batch(args.batch_size, train_size, plan.num_workers)
     say(JOB, f"run {args.name}: {train_size} MNIST training images from {root}; {plan.describe()}")
 
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         # Train V1 reserves a CPU for the trainer itself unless told not to: on a cluster with
         # exactly one CPU per worker the workers would wait for ever.
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                     placement_strategy=plan.placement,
                                      resources_per_worker={"CPU": plan.cpus_per_worker},
                                      trainer_resources={"CPU": 0}),
         run_config=RunConfig(name=args.name, storage_path=args.storage_path),

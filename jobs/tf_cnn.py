@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         model, metrics = train_func(config)
         world, in_sync = 1, {"workers_in_sync": True, "weight_digests": [weights_digest(model)]}
     else:
-        plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect())
+        plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect(),
+                                    placement=args.placement)
         cluster.check_batch(args.batch_size, len(train_idx), plan.num_workers)
         if len(val_idx) < plan.num_workers:
             raise UserError(f"{len(val_idx)} validation images cannot be split over {plan.num_workers} "
@@ -218,6 +219,7 @@ def train_on_ray(args, config: dict, plan):
     trainer = TensorflowTrainer(
         train_func, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                     placement_strategy=plan.placement,
                                      resources_per_worker={"CPU": plan.cpus_per_worker}),
         run_config=RunConfig(name=args.name, storage_path=args.storage_path),
     )

@@ -9,6 +9,11 @@ listens on 127.0.0.1 only, and Ray's token auth is on: the token lives in
 $DLC_CONFIG/ray_token (mode 0600, outside git) and $DLC_CONFIG/ray-client.env exports what a
 client needs. `down` stops only the processes this cluster started (found by its temp dirs),
 never other Ray clusters on the host (`ray stop` would kill them all).
+
+`up` also writes the cluster description $DLC_CONFIG/cluster.json that `make smoke` reads (schema:
+ray/smoke.py, DESCRIPTION_SCHEMA): kind "local", ip null for every node (Ray shows the host's
+address for all of them), no ssh_config or bastion. `down` removes it only when it describes
+this local cluster.
 """
 
 from __future__ import annotations
@@ -47,13 +52,43 @@ def client_env() -> dict[str, str]:
             f.write(secrets.token_hex(32))
     token.chmod(0o600)
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ".venv,venv,__pycache__"}
+           "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ".venv,.venv-ansible,venv,__pycache__"}
     (CONFIG / "ray-client.env").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
     return env
 
 
 def state_file() -> Path:
     return CONFIG / "local-cluster.json"
+
+
+def description_file() -> Path:
+    return CONFIG / "cluster.json"
+
+
+def description(st: dict) -> dict:
+    """The cluster description of the local cluster recorded in `st` (the state file's content)."""
+    nodes = [{"name": "head" if i == 0 else f"node{i}", "ip": None,
+              "role": "head" if i == 0 else "worker", "cpus": st["cpus_per_node"], "gpus": 0}
+             for i in range(st["nodes"])]
+    return {"name": "local", "kind": "local", "job_api": st["dashboard"],
+            "token_path": str(CONFIG / "ray_token"), "nodes": nodes,
+            "ssh_config": None, "bastion": None, "storage": None}
+
+
+def write_description(st: dict) -> None:
+    tmp = description_file().with_suffix(".json.new")
+    tmp.write_text(json.dumps(description(st), indent=2) + "\n")
+    tmp.replace(description_file())
+
+
+def remove_description(st: dict) -> None:
+    """Remove cluster.json if it describes this local cluster (not one an Ansible run wrote)."""
+    try:
+        desc = json.loads(description_file().read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(desc, dict) and desc.get("kind") == "local" and desc.get("job_api") == st["dashboard"]:
+        description_file().unlink(missing_ok=True)
 
 
 def free_port() -> int:
@@ -154,6 +189,7 @@ def up(a: argparse.Namespace) -> None:
     if state_file().exists():
         st = json.loads(state_file().read_text())
         if cluster_pids(st["temp_root"]):
+            write_description(st)
             print(f"local cluster already running: {st['dashboard']} ({st['nodes']} nodes); "
                   f"`make cluster-down` first to change it")
             return
@@ -193,10 +229,12 @@ def up(a: argparse.Namespace) -> None:
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
+    write_description(state)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
     print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
           f"{state['dashboard']} (token auth on)")
     print(f"client auth: source {CONFIG / 'ray-client.env'}")
+    print(f"cluster description: {description_file()} (make smoke reads it)")
 
 
 def down(_: argparse.Namespace) -> None:
@@ -220,6 +258,7 @@ def down(_: argparse.Namespace) -> None:
     if pids:
         fail(f"processes {pids} of the local cluster would not stop")
     shutil.rmtree(st["temp_root"], ignore_errors=True)
+    remove_description(st)
     state_file().unlink()
     print(f"local Ray cluster at {st['gcs']} stopped")
 

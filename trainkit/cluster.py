@@ -38,6 +38,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD")
+
+
 def add_run_flags(parser, job: str, resumes: bool = False) -> None:
     """--storage-path, --name and --output, the same for every job."""
     parser.add_argument("--storage-path", default=None,
@@ -50,6 +53,9 @@ def add_run_flags(parser, job: str, resumes: bool = False) -> None:
     parser.add_argument("--output", default=None,
                         help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> "
                              "or ~/dlcluster/models/<name>)")
+    parser.add_argument("--placement", default="PACK", choices=PLACEMENTS,
+                        help="how Ray places the workers: PACK (few nodes, Ray's default), SPREAD "
+                             "(many nodes), STRICT_SPREAD (one per node; workers <= nodes)")
 
 
 def resolve_run_flags(args, job: str):
@@ -76,16 +82,21 @@ class WorkerPlan:
     num_workers: int
     use_gpu: bool
     cpus_per_worker: float
+    placement: str = "PACK"
 
     def describe(self) -> str:
         return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
 
 
 def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,
-                 cpus_per_worker: float = 1.0) -> WorkerPlan:
-    """Check `--num-workers` and `--use-gpu auto|true|false` against the cluster's resources."""
+                 cpus_per_worker: float = 1.0, placement: str = "PACK") -> WorkerPlan:
+    """Check `--num-workers`, `--use-gpu auto|true|false` and `--placement` against the cluster."""
     if num_workers < 1:
         raise UserError(f"--num-workers {num_workers} must be at least 1")
+    if placement == "STRICT_SPREAD" and num_workers > nodes:
+        raise UserError(f"--placement STRICT_SPREAD puts one worker on each node, but --num-workers "
+                        f"{num_workers} is more than the cluster's {nodes} node(s); use "
+                        f"--num-workers <= {nodes} or --placement SPREAD")
     gpus = int(totals.get("GPU", 0))
     cpus = totals.get("CPU", 0)
     if use_gpu == "auto":
@@ -103,7 +114,7 @@ def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,
         fit = int(cpus // cpus_per_worker)
         raise UserError(f"--num-workers {num_workers} needs {need:g} CPUs but the Ray cluster has "
                         f"{cpus:g} in all ({nodes} node(s)); use --num-workers <= {fit} or add nodes")
-    return WorkerPlan(num_workers, gpu, cpus_per_worker)
+    return WorkerPlan(num_workers, gpu, cpus_per_worker, placement)
 
 
 def check_batch(batch_size: int, n_train: int, num_workers: int) -> int:

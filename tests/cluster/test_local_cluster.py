@@ -1,6 +1,7 @@
 """The embedded cluster: separate `ray start` nodes, token auth, loopback-only dashboard, and a
 `down` that stops only its own processes."""
 
+import json
 import os
 import stat
 import subprocess
@@ -61,9 +62,12 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
 
     main_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6390", 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
+    assert json.loads((tmp_path / "cluster.json").read_text())["job_api"] == "http://127.0.0.1:8295"
     other_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395)
     assert other_pids and not set(other_pids) & set(main_pids)
     assert "stopped" in other.script("down").stdout
+    assert not (tmp_path / "cluster.json").exists()  # its description goes with it
+    assert (cluster.config / "cluster.json").exists()
     assert cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395) == []  # Ray Client server too
     for pid in main_pids:
         assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"

@@ -33,3 +33,11 @@ def test_batch_larger_than_a_workers_share():
     with pytest.raises(UserError, match=r"--batch-size 64 is larger than each worker's share "
                                         r"of the training set \(25 samples.*<= 25"):
         check_batch(64, 50, 2)
+
+
+def test_strict_spread_needs_a_node_per_worker():
+    plan = plan_workers(3, "false", {"CPU": 6}, nodes=3, placement="STRICT_SPREAD")
+    assert plan.placement == "STRICT_SPREAD"
+    with pytest.raises(UserError, match=r"STRICT_SPREAD .* --num-workers 4 is more than the cluster's "
+                                        r"3 node\(s\); use --num-workers <= 3"):
+        plan_workers(4, "false", {"CPU": 8}, nodes=3, placement="STRICT_SPREAD")

@@ -1,0 +1,105 @@
+"""make smoke end to end on the 2-node fixture cluster: the description `up` wrote, every step
+through the job API, the JSON report, and a description the cluster does not match."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+N = 2
+
+
+def smoke(cluster, *argv, timeout=900):
+    proc = subprocess.run([sys.executable, "ray/smoke.py", *argv], cwd=REPO, env=cluster.env,
+                          capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def run(cluster, tmp_path_factory):
+    """One smoke run of nodes, allreduce (1 and 4 MiB) and the trainers: (process, report)."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    report = tmp / "report.json"
+    proc = smoke(cluster, "--only", "nodes,allreduce,trainers", "--max-mib", "4", "--json", str(report),
+                 "--storage-path", str(tmp / "runs"), "--models-dir", str(tmp / "models"))
+    return proc, json.loads(report.read_text())
+
+
+def test_cluster_up_wrote_the_description(cluster):
+    desc = json.loads((cluster.config / "cluster.json").read_text())
+    assert (desc["name"], desc["kind"], desc["job_api"]) == ("local", "local", "http://127.0.0.1:8290")
+    assert desc["token_path"] == str(cluster.config / "ray_token")
+    assert [(n["role"], n["ip"], n["cpus"], n["gpus"]) for n in desc["nodes"]] == \
+        [("head", None, 1, 0), ("worker", None, 1, 0)]
+    assert desc["ssh_config"] is None and desc["bastion"] is None
+
+
+def test_every_step_passes(run):
+    proc, report = run
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert report["ok"] and report["cluster"] == "local" and report["nodes"] == N
+    assert [(s["name"], s["ok"], s["skipped"]) for s in report["steps"]] == \
+        [("nodes", True, False), ("allreduce", True, False), ("trainers", True, False)]
+    assert all(s["seconds"] > 0 for s in report["steps"]) and report["seconds"] > 0
+    for name in ("nodes", "allreduce", "trainers"):
+        assert any(line.split()[:2] == ["PASS", name] for line in proc.stdout.splitlines())
+    assert "smoke: PASS: 3 passed, 0 failed, 0 skipped" in proc.stdout
+
+
+def test_nodes(run):
+    nodes = run[1]["steps"][0]["details"]
+    assert (nodes["alive"], nodes["expected"], nodes["agents"]) == (N, N, N)
+    assert nodes["cpus"] == [1, 1] and nodes["gpus"] == [0, 0]
+    assert sum(n["head"] for n in nodes["nodes"]) == 1
+    assert all(n["task"]["ray"] == "2.60.0" for n in nodes["nodes"])
+    # each local worker node has its own hostname as root (see local_cluster.own_hostname)
+    assert len({n["task"]["hostname"] for n in nodes["nodes"]}) in (1, N)
+
+
+def test_allreduce(run):
+    proc, report = run
+    d = report["steps"][1]["details"]
+    assert (d["backend"], d["world_size"], d["nodes_used"]) == ("gloo", N, N)
+    assert len({r["node_id"] for r in d["ranks"]}) == N  # STRICT_SPREAD: one rank per node
+    rows = d["rows"]
+    assert [r["bytes"] for r in rows] == [2**20, 4 * 2**20]
+    for r in rows:
+        assert r["wrong"] == 0 and r["count"] * 4 == r["bytes"] and r["time_us"] > 0
+        assert r["algbw_gbs"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * 2 * (N - 1) / N)
+    assert "all-reduce: gloo, 2 ranks on 2 nodes" in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines()]
+    assert ["4194304", "1048576", "float", "sum"] in [cols[:4] for cols in table]
+
+
+def test_every_trainer_left_a_verified_model(run):
+    jobs = run[1]["steps"][2]["details"]["jobs"]
+    assert set(jobs) == {"ddp_autoencoder", "horovod_mnist", "tf_cnn"}
+    names = {r["name"] for r in jobs.values()}
+    assert len(names) == 3 and all(n.startswith("smoke-") for n in names)
+    for job, r in jobs.items():
+        assert r["status"] == "SUCCEEDED" and r["verified"] is True, (job, r)
+        check = r["check"]
+        assert check["ok"] and check["problems"] == [] and check["world_size"] == N
+        assert check["parity"]["max_abs_diff"] <= check["parity"]["tolerance"]
+        assert check["run"] == r["name"] and r["model"].endswith(f"/{r['name']}/model.onnx")
+        assert check["output_shape"][0] == 1
+    assert jobs["tf_cnn"]["check"]["input_shape"] == [1, 150, 150, 3]
+    assert jobs["horovod_mnist"]["check"]["output_shape"] == [1, 10]
+
+
+def test_a_third_described_node_fails_the_nodes_step(cluster, tmp_path):
+    desc = json.loads((cluster.config / "cluster.json").read_text())
+    desc["nodes"].append({"name": "node2", "ip": None, "role": "worker", "cpus": 1, "gpus": 0})
+    config = tmp_path / "cluster.json"
+    config.write_text(json.dumps(desc))
+    report = tmp_path / "report.json"
+    proc = smoke(cluster, "--config", str(config), "--only", "nodes", "--json", str(report), timeout=300)
+    assert proc.returncode == 1
+    step = json.loads(report.read_text())["steps"][0]
+    assert not step["ok"] and not json.loads(report.read_text())["ok"]
+    assert "2 Ray node(s) alive, the description lists 3" in step["details"]["error"]
+    assert any(line.split()[:2] == ["FAIL", "nodes"] for line in proc.stdout.splitlines())

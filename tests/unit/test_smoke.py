@@ -1,0 +1,479 @@
+"""make smoke without a cluster: the bandwidth arithmetic, the cluster description, node matching,
+the trainers' flags, the report and summary, and the proxyjump decisions (loopback only)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainkit import data, mnist
+from trainkit.cluster import check_batch
+from trainkit.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "ray"))
+
+import local_cluster  # noqa: E402
+import smoke  # noqa: E402
+import smoke_checks  # noqa: E402
+
+
+def local_desc(nodes=2, cpus=1, **changes) -> dict:
+    st = {"dashboard": "http://127.0.0.1:8265", "nodes": nodes, "cpus_per_node": cpus}
+    return {**local_cluster.description(st), **changes}
+
+
+def remote_desc(**changes) -> dict:
+    nodes = [{"name": "node-1", "ip": "172.31.251.11", "role": "head", "cpus": 8, "gpus": 1},
+             {"name": "node-2", "ip": "172.31.251.12", "role": "worker", "cpus": 8, "gpus": 1},
+             {"name": "node-3", "ip": "172.31.251.13", "role": "worker", "cpus": 16, "gpus": 2}]
+    return {"name": "lab", "kind": "ansible", "job_api": "http://127.0.0.1:8265",
+            "token_path": "/home/u/.config/dlcluster/clusters/lab/ray_token", "nodes": nodes,
+            "ssh_config": "/home/u/.config/dlcluster/clusters/lab/ssh_config", "bastion": "bastion",
+            "storage": "/srv/dlcluster", **changes}
+
+
+# ------------------------------------------------------------------ all-reduce arithmetic
+@pytest.mark.parametrize("ranks, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75), (3, 4 / 3)])
+def test_busbw_is_algbw_times_2_n_minus_1_over_n(ranks, factor):
+    algbw, busbw = smoke_checks.bandwidth(256 * 2**20, 0.5, ranks)
+    assert algbw == pytest.approx(256 * 2**20 / 0.5 / 1e9)  # GB/s: 1e9 bytes per second
+    assert busbw == pytest.approx(algbw * factor)
+
+
+def test_nccl_tests_example_numbers():
+    # nccl-tests: 1 GB in 10 ms on 8 ranks is 100 GB/s algbw and 175 GB/s busbw
+    assert smoke_checks.bandwidth(10**9, 0.01, 8) == pytest.approx((100.0, 175.0))
+
+
+def test_fewer_iterations_for_big_messages():
+    mib = smoke_checks.MIB
+    assert smoke_checks.iterations(1 * mib) == (2, 20)
+    assert smoke_checks.iterations(16 * mib) == (2, 5)
+    assert smoke_checks.iterations(256 * mib) == (1, 3)
+    timed = [smoke_checks.iterations(s * mib)[1] for s in (1, 4, 16, 64, 256)]
+    assert timed == sorted(timed, reverse=True)
+
+
+def test_sizes_from_flags():
+    a = smoke.parse_args([])
+    assert a.sizes_bytes == [s * 2**20 for s in (1, 4, 16, 64, 256)]
+    assert smoke.parse_args(["--max-mib", "16"]).sizes_bytes == [2**20, 4 * 2**20, 16 * 2**20]
+    assert smoke.parse_args(["--sizes", "0.5,2"]).sizes_bytes == [2**19, 2**21]
+    with pytest.raises(UserError, match="no all-reduce size left"):
+        smoke.parse_args(["--max-mib", "0.5"])
+    with pytest.raises(UserError, match="must be numbers of MiB"):
+        smoke.parse_args(["--sizes", "big"])
+    with pytest.raises(UserError, match=r"unknown step\(s\) gpus; use some of nodes,allreduce"):
+        smoke.parse_args(["--only", "nodes,gpus"])
+    assert smoke.parse_args(["--only", "trainers, nodes"]).steps == ["trainers", "nodes"]
+
+
+# ------------------------------------------------------------------ the description
+def test_local_cluster_writes_a_valid_description():
+    d = local_desc(nodes=3, cpus=4)
+    assert smoke.validate_description(d) == []
+    assert [n["role"] for n in d["nodes"]] == ["head", "worker", "worker"]
+    assert {(n["ip"], n["cpus"], n["gpus"]) for n in d["nodes"]} == {(None, 4, 0)}
+    assert (d["kind"], d["ssh_config"], d["bastion"]) == ("local", None, None)
+    assert smoke.validate_description(remote_desc()) == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kind": "cloud"}, "'kind' must be \"local\" or \"ansible\""),
+    ({"job_api": "127.0.0.1:8265"}, "'job_api' must look like http://HOST:PORT"),
+    ({"job_api": "http://127.0.0.1"}, "'job_api' must look like http://HOST:PORT"),
+    ({"token_path": "ray_token"}, "'token_path' must be an absolute path"),
+    ({"name": ""}, "'name' must be a non-empty string"),
+    ({"nodes": []}, "'nodes' must be a non-empty list"),
+    ({"bastion": None}, "'ssh_config' and 'bastion' must be set together"),
+    ({"ssh_config": "ssh_config"}, "'ssh_config' must be an absolute path"),
+    ({"storage": 5}, "'storage' must be a string or null"),
+])
+def test_description_errors(change, message):
+    problems = smoke.validate_description(remote_desc(**change))
+    assert any(message in p for p in problems), problems
+
+
+def test_node_errors():
+    d = remote_desc()
+    d["nodes"][1].update(ip="172.31.251.11", role="head", cpus=1.5)
+    d["nodes"][2].update(ip="not-an-ip", gpus=-1, name="node-1")
+    problems = smoke.validate_description(d)
+    for message in ("node 'node-2': cpus must be an integer >= 0, not 1.5",
+                    "node 'node-1': ip must be an IP address or null, not 'not-an-ip'",
+                    "gpus must be an integer >= 0, not -1", "node name 'node-1' appears 2 times",
+                    "ip 172.31.251.11 appears 2 times", "exactly one node must have role \"head\", found 2"):
+        assert any(message in p for p in problems), (message, problems)
+    assert smoke.validate_description([]) == ["the description is a JSON list, not an object"]
+    missing = smoke.validate_description({"name": "x"})
+    assert {"'kind' is missing", "'job_api' is missing", "'token_path' is missing"} <= set(missing)
+
+
+def test_load_description(tmp_path):
+    with pytest.raises(UserError, match=r"no cluster description at .*json: .*run make cluster-up first"):
+        smoke.load_description(tmp_path / "cluster.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match=r"cannot read the cluster description .*bad.json"):
+        smoke.load_description(bad)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(local_desc(kind="k8s")))
+    with pytest.raises(UserError, match=r"bad cluster description .*'kind' must be .*; fix it or rerun"):
+        smoke.load_description(wrong)
+    ok = tmp_path / "ok.json"
+    d = local_desc()
+    del d["storage"], d["ssh_config"], d["bastion"]  # absent means null
+    ok.write_text(json.dumps(d))
+    assert smoke.load_description(ok)["bastion"] is None
+
+
+def test_token_must_exist(tmp_path):
+    d = local_desc(token_path=str(tmp_path / "ray_token"))
+    with pytest.raises(UserError, match="does not exist; run make cluster-up first"):
+        smoke.check_token(d, tmp_path / "cluster.json")
+    (tmp_path / "ray_token").write_text("x")
+    smoke.check_token(d, tmp_path / "cluster.json")
+
+
+def test_local_cluster_description_file_lifecycle(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_cluster, "CONFIG", tmp_path)
+    st = {"dashboard": "http://127.0.0.1:8290", "nodes": 2, "cpus_per_node": 1}
+    local_cluster.write_description(st)
+    written = json.loads((tmp_path / "cluster.json").read_text())
+    assert written["job_api"] == "http://127.0.0.1:8290"
+    assert written["token_path"] == str(tmp_path / "ray_token")
+    local_cluster.remove_description({**st, "dashboard": "http://127.0.0.1:8265"})  # another one's
+    assert (tmp_path / "cluster.json").exists()
+    local_cluster.remove_description(st)
+    assert not (tmp_path / "cluster.json").exists()
+    (tmp_path / "cluster.json").write_text(json.dumps(remote_desc(job_api=st["dashboard"])))
+    local_cluster.remove_description(st)  # an Ansible cluster's description stays
+    assert (tmp_path / "cluster.json").exists()
+
+
+# ------------------------------------------------------------------ node matching
+def ray_node(cpus, gpus, ip="192.0.2.2", head=False, **more):
+    return {"ip": ip, "cpus": cpus, "gpus": gpus, "head": head, "hostname": "h", "node_id": "ab" * 28,
+            "agent": True, "task": {"hostname": "h"}, **more}
+
+
+def test_local_nodes_match_as_multisets():
+    actual = [ray_node(1, 0, head=True), ray_node(1, 0)]
+    assert smoke.match_nodes(local_desc()["nodes"], actual) == []
+
+
+def test_three_described_two_alive():
+    problems = smoke.match_nodes(local_desc(nodes=3)["nodes"], [ray_node(1, 0, head=True), ray_node(1, 0)])
+    assert problems == ["2 Ray node(s) alive, the description lists 3",
+                        "1 node(s) with 1 CPU(s) and 0 GPU(s) described but not found"]
+
+
+def test_resources_differ_without_ips():
+    problems = smoke.match_nodes(local_desc()["nodes"], [ray_node(1, 0, head=True), ray_node(2, 0)])
+    assert "1 node(s) with 1 CPU(s) and 0 GPU(s) described but not found" in problems
+    assert "1 Ray node(s) with 2 CPU(s) and 0 GPU(s) not in the description (at 192.0.2.2)" in problems
+
+
+def test_nodes_matched_by_ip():
+    expected = remote_desc()["nodes"]
+    actual = [ray_node(8, 1, "172.31.251.11", head=True), ray_node(8, 1, "172.31.251.12"),
+              ray_node(16, 2, "172.31.251.13")]
+    assert smoke.match_nodes(expected, actual) == []
+    actual[2] = ray_node(16, 1, "172.31.251.13")  # a GPU missing
+    assert smoke.match_nodes(expected, actual) == [
+        "node node-3 (172.31.251.13) offers 16 CPU(s) and 1 GPU(s), the description says 16 and 2"]
+    actual[2] = ray_node(16, 2, "172.31.251.99")  # another machine joined instead
+    assert smoke.match_nodes(expected, actual) == [
+        "node node-3 (172.31.251.13) has not joined",
+        "1 Ray node(s) with 16 CPU(s) and 2 GPU(s) not in the description (at 172.31.251.99)"]
+
+
+def test_head_must_be_the_described_one():
+    expected = remote_desc()["nodes"]
+    actual = [ray_node(8, 1, "172.31.251.11"), ray_node(8, 1, "172.31.251.12", head=True),
+              ray_node(16, 2, "172.31.251.13")]
+    problems = smoke.match_nodes(expected, actual)
+    assert "node node-1 (172.31.251.11) is not the Ray head, the description says head" in problems
+    assert "node node-2 (172.31.251.12) is the Ray head, the description says worker" in problems
+
+
+def test_agents_and_pinned_tasks():
+    nodes = [ray_node(1, 0, head=True), ray_node(1, 0, agent=False, task=None)]
+    problems = smoke.node_problems({"nodes": nodes, "probe_timeout_s": 60}, local_desc()["nodes"])
+    assert any("dashboard agent has not registered" in p for p in problems)
+    assert any("did not finish within 60 s" in p for p in problems)
+    nodes[1].update(agent=True, task={"error": "RuntimeError: boom"})
+    problems = smoke.node_problems({"nodes": nodes}, local_desc()["nodes"])
+    assert problems[0].endswith("a task pinned to it failed: RuntimeError: boom")
+
+
+# ------------------------------------------------------------------ trainers
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 7, 8, 16, 32, 64])
+def test_trainer_flags_give_every_worker_a_whole_batch(workers):
+    def flag(args, name):
+        return int(args[args.index(name) + 1])
+
+    ae = smoke.trainer_args("ddp_autoencoder", workers, False)
+    train, _ = data.split_indices(flag(ae, "--limit"), 0.1)
+    check_batch(flag(ae, "--batch-size"), len(train), workers)
+    hvd = smoke.trainer_args("horovod_mnist", workers, False)
+    check_batch(flag(hvd, "--batch-size"), mnist.BUILTIN_TRAIN, workers)
+    tf = smoke.trainer_args("tf_cnn", workers, True)
+    train, val = data.split_indices(2 * flag(tf, "--per-class"), 0.2)
+    check_batch(flag(tf, "--batch-size"), len(train), workers)
+    assert len(val) >= workers  # the tf job's own check
+    assert flag(tf, "--num-workers") == workers and tf[tf.index("--use-gpu") + 1] == "true"
+    assert flag(ae, "--epochs") == flag(hvd, "--epochs") == flag(tf, "--epochs") == 1
+
+
+def test_model_paths_and_payload_from_logs():
+    logs = "\n".join([
+        "(RayTrainWorker pid=1) [ddp_autoencoder] epoch 1/1: loss 0.1",
+        "[ddp_autoencoder] ONNX model: /srv/dlcluster/models/smoke-x/model.onnx",
+        "[ddp_autoencoder] manifest:   /srv/dlcluster/models/smoke-x/manifest.json",
+        "(pid=2) SMOKE_JSON {\"a\": 1}",
+        "SMOKE_JSON {\"a\": 2}",
+        "------------------------------------------",
+        "Job 'x' succeeded",
+    ])
+    assert smoke.parse_model_paths(logs) == ("/srv/dlcluster/models/smoke-x/model.onnx",
+                                             "/srv/dlcluster/models/smoke-x/manifest.json")
+    assert smoke.parse_model_paths("nothing here") == (None, None)
+    assert smoke.parse_payload(logs) == {"a": 2}
+    assert smoke.parse_payload("SMOKE_JSON {broken") is None
+    assert smoke.parse_payload("") is None
+
+
+# ------------------------------------------------------------------ steps, report, summary
+def args(*argv):
+    return smoke.parse_args(list(argv))
+
+
+def test_run_step_results():
+    ctx = smoke.Context(local_desc(), args(), None)
+
+    def fails(_):
+        raise smoke.StepFailed("2 wrong elements", log_tail=["a", "b"])
+
+    def crashes(_):
+        raise KeyError("rows")
+
+    def skips(_):
+        raise smoke.StepSkipped("nothing to do")
+
+    ok = smoke.run_step("nodes", ctx, lambda c: {"alive": 2, "expected": 2, "agents": 2, "cpus": [1, 1],
+                                                 "gpus": [0, 0]})
+    assert ok["ok"] and not ok["skipped"] and set(ok) == {"name", "ok", "skipped", "seconds", "details"}
+    failed = smoke.run_step("allreduce", ctx, fails)
+    assert not failed["ok"] and failed["details"] == {"error": "2 wrong elements", "log_tail": ["a", "b"]}
+    crashed = smoke.run_step("trainers", ctx, crashes)
+    assert not crashed["ok"] and crashed["details"]["error"] == "KeyError: 'rows'"
+    skipped = smoke.run_step("proxyjump", ctx, skips)
+    assert skipped["skipped"] and not skipped["ok"] and skipped["details"] == {"reason": "nothing to do"}
+
+
+def allreduce_result(n=2):
+    rows = []
+    for size in (2**20, 2**28):
+        algbw, busbw = smoke_checks.bandwidth(size, size / 1e9, n)
+        rows.append({"bytes": size, "count": size // 4, "type": "float", "redop": "sum",
+                     "time_us": size / 1e3, "algbw_gbs": algbw, "busbw_gbs": busbw, "wrong": 0})
+    return {"name": "allreduce", "ok": True, "skipped": False, "seconds": 20.0,
+            "details": {"backend": "gloo", "world_size": n, "nodes_used": n,
+                        "placement_strategy": "STRICT_SPREAD", "rows": rows}}
+
+
+def test_report_and_summary():
+    steps = [
+        {"name": "nodes", "ok": True, "skipped": False, "seconds": 5.0,
+         "details": {"alive": 2, "expected": 2, "agents": 2, "cpus": [1, 1], "gpus": [0, 0]}},
+        allreduce_result(),
+        {"name": "trainers", "ok": False, "skipped": False, "seconds": 90.0,
+         "details": {"error": "tf_cnn: failed after 30 s"}},
+        {"name": "proxyjump", "ok": False, "skipped": True, "seconds": 0.0,
+         "details": {"reason": "no bastion"}},
+    ]
+    import datetime as dt
+
+    report = smoke.build_report(local_desc(), Path("/c/cluster.json"), steps,
+                                dt.datetime(2026, 1, 1, tzinfo=dt.UTC), 115.04)
+    assert (report["ok"], report["passed"], report["failed"], report["skipped"]) == (False, 2, 1, 1)
+    assert report["cluster"] == "local" and report["seconds"] == 115.0 and report["nodes"] == 2
+    assert [s["name"] for s in report["steps"]] == ["nodes", "allreduce", "trainers", "proxyjump"]
+    json.dumps(report)  # serialisable as it is
+    lines = smoke.summary(report, Path("/c/smoke/local.json"))
+    assert lines[1].split()[:2] == ["PASS", "nodes"] and "2/2 nodes alive" in lines[1]
+    assert lines[2].split()[:2] == ["PASS", "allreduce"] and "256 MiB" in lines[2]
+    assert lines[3].split()[:2] == ["FAIL", "trainers"] and "tf_cnn: failed" in lines[3]
+    assert lines[4].split()[:2] == ["SKIP", "proxyjump"] and "no bastion" in lines[4]
+    table = [line for line in lines if line.strip().startswith(("1048576", "268435456"))]
+    assert len(table) == 2 and table[1].split()[:4] == ["268435456", "67108864", "float", "sum"]
+    assert [float(v) for v in table[1].split()[5:8]] == pytest.approx([1.0, 1.0, 0])  # algbw busbw #wrong
+    assert lines[-1] == "smoke: FAIL: 2 passed, 1 failed, 1 skipped in 115 s; report /c/smoke/local.json"
+    steps[2] = {**steps[2], "ok": False, "skipped": True}
+    assert smoke.build_report(local_desc(), Path("x"), steps, dt.datetime.now(dt.UTC), 1)["ok"]
+
+
+# ------------------------------------------------------------------ proxyjump
+def test_proxyjump_skipped_without_bastion():
+    assert "no ssh_config and bastion (kind local)" in smoke.proxyjump_skip_reason(local_desc())
+    d = remote_desc()
+    assert smoke.proxyjump_skip_reason(d) is None
+    for n in d["nodes"]:
+        n["ip"] = None
+    assert "no node in the description has an ip" in smoke.proxyjump_skip_reason(d)
+
+
+@pytest.fixture
+def listener():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_direct_tcp(listener):
+    assert smoke.direct_tcp("127.0.0.1", listener, 3) == (True, "connected")
+    connected, how = smoke.direct_tcp("127.0.0.1", closed_port(), 3)
+    assert not connected and "refused" in how.lower()
+
+
+@pytest.fixture
+def ssh_config(tmp_path):
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text("\n".join([
+        "Host bastion", "  HostName 127.0.0.1", "  User ops",
+        "Host node-1", "  HostName 127.0.0.1", "  ProxyJump bastion",
+        "Host node-2", "  HostName 172.31.251.12", "  ProxyJump ops@bastion:2222",
+        "Host node-3", "  HostName 172.31.251.13", "  ProxyCommand ssh -F /x -W %h:%p bastion",
+        "Host node-4", "  HostName 172.31.251.14",
+        "Host node-5", "  HostName 172.31.251.15", "  ProxyJump other",
+        "",
+    ]))
+    return str(cfg)
+
+
+needs_ssh = pytest.mark.skipif(not shutil.which("ssh"), reason="no ssh client (ssh -G reads the configs)")
+
+
+@needs_ssh
+def test_ssh_route_reads_the_config_without_connecting(ssh_config):
+    assert smoke.ssh_route(ssh_config, "node-1", "bastion")[0]
+    ok, info = smoke.ssh_route(ssh_config, "node-2", "bastion")
+    assert ok and info["hostname"] == "172.31.251.12"
+    assert smoke.ssh_route(ssh_config, "node-3", "bastion")[0]
+    assert not smoke.ssh_route(ssh_config, "node-4", "bastion")[0]  # straight to the node
+    assert not smoke.ssh_route(ssh_config, "node-5", "bastion")[0]  # through another host
+
+
+@pytest.fixture
+def fake_ssh(tmp_path):
+    """`ssh -G` is the real one (it only reads the config); a login prints the host's name."""
+    script = tmp_path / "ssh"
+    script.write_text('#!/bin/sh\nif [ "$1" = -G ]; then exec ssh "$@"; fi\n'
+                      'for last; do :; done\n[ "$last" = hostname ] && echo "$FAKE_SSH_NAME" '
+                      '&& exit "${FAKE_SSH_RC:-0}"\nexit 255\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@needs_ssh
+def test_node_behind_the_bastion_passes(ssh_config, fake_ssh, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
+    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                   port=closed_port(), ssh=fake_ssh)
+    assert r["ok"], r["problems"]
+    assert not r["direct"]["connected"] and r["ssh"] == {"ok": True, "output": "node-1"}
+
+
+@needs_ssh
+def test_node_reachable_directly_fails(ssh_config, fake_ssh, listener, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
+    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                   port=listener, ssh=fake_ssh)
+    assert not r["ok"]
+    assert r["problems"] == [f"127.0.0.1:{listener} accepts a direct connection from here: the bastion "
+                             f"is not the only way in"]
+
+
+@needs_ssh
+def test_ssh_through_the_bastion_must_work(ssh_config, fake_ssh, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_RC", "255")
+    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                   port=closed_port(), ssh=fake_ssh)
+    assert not r["ok"] and len(r["problems"]) == 1
+    assert "-o BatchMode=yes -o ConnectTimeout=15 node-1 hostname` failed" in r["problems"][0]
+
+
+@needs_ssh
+def test_node_not_routed_through_the_bastion_fails(ssh_config, fake_ssh):
+    # The configs' 172.31.x addresses are only read (ssh -G); every connection goes to loopback.
+    r = smoke.check_node_proxyjump({"name": "node-4", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                   port=closed_port(), ssh=fake_ssh)
+    assert any("does not send node-4 through bastion" in p for p in r["problems"])
+    r = smoke.check_node_proxyjump({"name": "node-2", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                   port=closed_port(), ssh=fake_ssh)
+    assert "sends node-2 to 172.31.251.12, the description says 127.0.0.1" in " ".join(r["problems"])
+
+
+# ------------------------------------------------------------------ the command line
+def run_smoke(tmp_path, *argv):
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path)}
+    return subprocess.run([sys.executable, "ray/smoke.py", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_no_description_is_one_line_and_exit_2(tmp_path):
+    proc = run_smoke(tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"smoke: error: no cluster description at {tmp_path / 'cluster.json'}: "
+                                   f"no cluster is up from here; run make cluster-up first "
+                                   f"(or pass --config FILE)")
+
+
+def test_no_job_api_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "ray_token").write_text("t")
+    d = local_desc(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    proc = run_smoke(tmp_path, "--only", "nodes")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"nothing answers on the job API {d['job_api']}" in proc.stderr
+    assert "run make cluster-up first" in proc.stderr
+
+
+def test_proxyjump_alone_needs_no_job_api_and_reports(tmp_path):
+    (tmp_path / "ray_token").write_text("t")
+    d = local_desc(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    proc = run_smoke(tmp_path, "--only", "proxyjump")
+    assert proc.returncode == 0, proc.stderr
+    reports = list((tmp_path / "smoke").glob("local-*.json"))
+    assert len(reports) == 1
+    report = json.loads(reports[0].read_text())
+    assert report["ok"] and report["skipped"] == 1 and report["steps"][0]["skipped"]
+    assert "SKIP proxyjump" in proc.stdout and f"report {reports[0]}" in proc.stdout
+
+
+def test_a_head_without_cpus_takes_no_worker():
+    d = remote_desc()
+    d["nodes"][0]["cpus"] = 0
+    ctx = smoke.Context(d, args(), None)
+    assert (ctx.workers, ctx.left_out, ctx.use_gpu) == (2, ["node-1"], True)
+    d["nodes"][2]["gpus"] = 0
+    assert not ctx.use_gpu  # NCCL only when every worker node has a GPU
+    for n in d["nodes"]:
+        n["cpus"] = 0
+    with pytest.raises(smoke.StepFailed, match="no node in the description offers a CPU"):
+        ctx.need_workers()
