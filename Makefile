@@ -120,5 +120,5 @@ emulate-down: ## remove the emulated cluster's containers, networks, volume and 
 emulate-status: ## the emulated cluster's containers
 	@tests/emulated/emulate.sh status
 
-test-emulated: setup ## emulate-up, cluster-up through the bastion, the README's job via the tunnel, smoke, idempotence, bad input, cluster-down
+test-emulated: setup image ## emulate-up, cluster-up through the bastion, the README's job via the tunnel, smoke, idempotence, bad input, cluster-down
 	@$(PY) -m pytest tests/emulated $(PYTEST_ARGS)
