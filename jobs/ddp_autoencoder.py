@@ -58,8 +58,8 @@ class AutoEncoder(nn.Module):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=JOB, description=__doc__.split("\n\n")[0],
                                 formatter_class=cluster.HelpFormatter)
-    p.add_argument("--num-workers", type=int, default=2,
-                   help="data-parallel workers (one process each, spread over the Ray nodes)")
+    p.add_argument("--num-workers", type=cluster.num_workers_arg, default="auto",
+                   help="data-parallel workers (one process each); auto: one per GPU, else one per node")
     p.add_argument("--batch-size", type=int, default=128, help="batch size per worker")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train (in all, when resuming)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")

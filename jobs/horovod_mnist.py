@@ -62,8 +62,9 @@ class Net(nn.Module):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=JOB, description=__doc__.split("\n\n")[0],
                                 formatter_class=cluster.HelpFormatter)
-    p.add_argument("--num-workers", type=int, default=2,
-                   help="Horovod ranks on Ray (under horovodrun, -np decides)")
+    p.add_argument("--num-workers", type=cluster.num_workers_arg, default="auto",
+                   help="Horovod ranks on Ray; auto: one per GPU, else one per node "
+                        "(under horovodrun, -np decides)")
     p.add_argument("--batch-size", type=int, default=128, help="batch size per rank")
     p.add_argument("--epochs", type=int, default=2, help="epochs to train")
     p.add_argument("--lr", type=float, default=1e-4,

@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="multiworker", choices=["multiworker", "mirrored"],
                    help="multiworker: MultiWorkerMirroredStrategy over Ray workers on all nodes; "
                         "mirrored: MirroredStrategy in this one process")
-    p.add_argument("--num-workers", type=int, default=2, help="Ray workers (multiworker only)")
+    p.add_argument("--num-workers", type=cluster.num_workers_arg, default="auto",
+                   help="Ray workers (multiworker only); auto: one per GPU, else one per node")
     p.add_argument("--batch-size", type=int, default=16, help="batch size per worker")
     p.add_argument("--epochs", type=int, default=2, help="epochs to train")
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")

@@ -41,6 +41,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD")
 
 
+def num_workers_arg(text: str) -> int:
+    """--num-workers: a count, or `auto` (0): one worker per GPU, else one per node."""
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of workers or auto") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1 (or auto)")
+    return n
+
+
 def add_run_flags(parser, job: str, resumes: bool = False) -> None:
     """--storage-path, --name and --output, the same for every job."""
     parser.add_argument("--storage-path", default=None,
@@ -53,9 +66,10 @@ def add_run_flags(parser, job: str, resumes: bool = False) -> None:
     parser.add_argument("--output", default=None,
                         help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> "
                              "or ~/dlcluster/models/<name>)")
-    parser.add_argument("--placement", default="PACK", choices=PLACEMENTS,
-                        help="how Ray places the workers: PACK (few nodes, Ray's default), SPREAD "
-                             "(many nodes), STRICT_SPREAD (one per node; workers <= nodes)")
+    parser.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
+                        help="how Ray places the workers: SPREAD (over as many nodes as it can), "
+                             "PACK (on as few nodes as it can), STRICT_SPREAD (one per node; "
+                             "workers <= nodes)")
 
 
 def resolve_run_flags(args, job: str):
@@ -82,15 +96,23 @@ class WorkerPlan:
     num_workers: int
     use_gpu: bool
     cpus_per_worker: float
-    placement: str = "PACK"
+    placement: str = "SPREAD"
 
     def describe(self) -> str:
         return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
 
 
 def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,
-                 cpus_per_worker: float = 1.0, placement: str = "PACK") -> WorkerPlan:
-    """Check `--num-workers`, `--use-gpu auto|true|false` and `--placement` against the cluster."""
+                 cpus_per_worker: float = 1.0, placement: str = "SPREAD") -> WorkerPlan:
+    """Check `--num-workers`, `--use-gpu auto|true|false` and `--placement` against the cluster.
+    `--num-workers auto` (0) trains across the whole cluster: one worker per GPU when GPUs are
+    used, else one per node (as far as the CPUs go)."""
+    if num_workers == 0:
+        gpus_total = int(totals.get("GPU", 0))
+        if use_gpu != "false" and gpus_total > 0:
+            num_workers = gpus_total
+        else:
+            num_workers = max(1, min(nodes, int(totals.get("CPU", 0) // cpus_per_worker)))
     if num_workers < 1:
         raise UserError(f"--num-workers {num_workers} must be at least 1")
     if placement == "STRICT_SPREAD" and num_workers > nodes:

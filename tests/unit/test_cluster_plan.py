@@ -41,3 +41,22 @@ def test_strict_spread_needs_a_node_per_worker():
     with pytest.raises(UserError, match=r"STRICT_SPREAD .* --num-workers 4 is more than the cluster's "
                                         r"3 node\(s\); use --num-workers <= 3"):
         plan_workers(4, "false", {"CPU": 8}, nodes=3, placement="STRICT_SPREAD")
+
+
+def test_auto_workers_train_across_the_whole_cluster():
+    assert plan_workers(0, "auto", {"CPU": 6}, nodes=3).num_workers == 3
+    assert plan_workers(0, "auto", {"CPU": 2}, nodes=3).num_workers == 2
+    gpu = plan_workers(0, "auto", {"CPU": 48, "GPU": 8}, nodes=2)
+    assert (gpu.num_workers, gpu.use_gpu) == (8, True)
+    assert plan_workers(0, "false", {"CPU": 48, "GPU": 8}, nodes=2).num_workers == 2
+
+
+def test_num_workers_flag():
+    import argparse
+
+    from trainkit.cluster import num_workers_arg
+
+    assert num_workers_arg("auto") == 0 and num_workers_arg("3") == 3
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            num_workers_arg(bad)
