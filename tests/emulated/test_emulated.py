@@ -82,6 +82,8 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     manifest = json.loads(emulated.ssh("node-2", "cat", manifest_path).stdout)
     assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
     assert manifest["world_size"] == 3
+    head = run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
+    assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
 
 
 def test_smoke_passes_across_the_cluster(emulated, tmp_path):
