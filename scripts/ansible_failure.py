@@ -3,7 +3,9 @@
 usage: ansible_failure.py LOG WHAT
 Reads Ansible's output (the default callback, results as YAML), takes the last `fatal:` result
 and prints `WHAT: error: [host] <its msg> (log: LOG)`; a failure before any task ran (a bad
-inventory, a syntax error) prints Ansible's own ERROR line instead.
+inventory, a syntax error) prints Ansible's own ERROR line instead. When some servers were
+already changed before the run stopped, the line says which, so nothing is left half-configured
+without saying so.
 """
 
 import re
@@ -42,11 +44,26 @@ def failure(text: str) -> str | None:
     return None
 
 
+def changed_hosts(text: str) -> dict[str, int]:
+    """Servers (not the control host) with changes in the PLAY RECAP: host -> number changed."""
+    out = {}
+    for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", text, re.M):
+        if m.group(1) != "localhost" and int(m.group(2)) > 0:
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
 def main() -> int:
     log, what = sys.argv[1], sys.argv[2]
     with open(log, errors="replace") as f:
-        line = failure(f.read())
-    print(f"{what}: error: {line or 'the playbook failed'} (log: {log})")
+        text = f.read()
+    line = failure(text) or "the playbook failed"
+    changed = changed_hosts(text)
+    if changed:
+        done = ", ".join(f"{h} ({n} changes)" for h, n in changed.items())
+        line += (f"; already changed before it stopped: {done}; once fixed, run it again: it "
+                 f"continues where it stopped")
+    print(f"{what}: error: {line} (log: {log})")
     return 0
 
 

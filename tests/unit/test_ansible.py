@@ -144,3 +144,14 @@ def _in_range_row(readme: str, name: str, defaults: Path) -> bool:
             if i <= names.index(name) <= j:
                 return True
     return False
+
+
+def test_failure_line_names_servers_already_changed():
+    log = """fatal: [node-2]: FAILED! =>
+    msg: boom
+PLAY RECAP ***
+localhost                  : ok=17   changed=2    unreachable=0    failed=0
+node-1                     : ok=20   changed=5    unreachable=0    failed=0
+node-2                     : ok=9    changed=0    unreachable=0    failed=1
+"""
+    assert ansible_failure.changed_hosts(log) == {"node-1": 5}
