@@ -1,5 +1,7 @@
-"""What the training jobs share: data sets, device choice, cluster checks, ONNX export + verify.
+"""The training harness every job shares (see harness.py): flags, launchers, worker plan,
+checkpoints and restore, per-phase timing, ONNX publishing; and the jobs' data sets.
 
-Imported by the jobs on the Ray driver and on every Ray worker (`ray job submit --working-dir .`
-puts the repository root on the workers' PYTHONPATH; the jobs add it for direct runs).
+`python jobs/<job>.py`, torchrun and horovodrun find this package through `jobs/trainkit`, a link
+to it (a script's own folder is on Python's path); Ray's workers find it in the uploaded
+working dir, whose root is on their path.
 """

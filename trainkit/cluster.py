@@ -6,79 +6,9 @@ checks the cluster's totals first and fails fast with one line instead.
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import UserError
-
-DEFAULT_HOME = Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
-
-
-def default_storage() -> str:
-    """Where Ray Train keeps runs and checkpoints: DLC_STORAGE_PATH, else ~/dlcluster/runs.
-
-    On a multi-node cluster this must be storage every node sees (NFS or a cloud URI);
-    `make cluster-up` sets DLC_STORAGE_PATH on the nodes.
-    """
-    return os.environ.get("DLC_STORAGE_PATH") or str(DEFAULT_HOME / "runs")
-
-
-def default_output(name: str) -> Path:
-    """Where a job's verified ONNX model and manifest land: DLC_MODELS/<name>."""
-    return Path(os.environ.get("DLC_MODELS", DEFAULT_HOME / "models")).expanduser() / name
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, except where the help text says it (default None)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD")
-
-
-def num_workers_arg(text: str) -> int:
-    """--num-workers: a count, or `auto` (0): one worker per GPU, else one per node."""
-    if text == "auto":
-        return 0
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of workers or auto") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1 (or auto)")
-    return n
-
-
-def add_run_flags(parser, job: str, resumes: bool = False) -> None:
-    """--storage-path, --name and --output, the same for every job."""
-    parser.add_argument("--storage-path", default=None,
-                        help="where Ray Train keeps runs and checkpoints; shared storage on a "
-                             "multi-node cluster (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
-    parser.add_argument("--name", default=None,
-                        help=f"run name (default: {job}-<date>-<time>)"
-                             + ("; a rerun with the same name resumes from its latest checkpoint"
-                                if resumes else ""))
-    parser.add_argument("--output", default=None,
-                        help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> "
-                             "or ~/dlcluster/models/<name>)")
-    parser.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
-                        help="how Ray places the workers: SPREAD (over as many nodes as it can), "
-                             "PACK (on as few nodes as it can), STRICT_SPREAD (one per node; "
-                             "workers <= nodes)")
-
-
-def resolve_run_flags(args, job: str):
-    """Fill in the defaults of add_run_flags' flags as absolute paths."""
-    args.name = args.name or time.strftime(f"{job}-%Y%m%d-%H%M%S")
-    args.storage_path = str(Path(args.storage_path or default_storage()).expanduser().resolve())
-    args.output = (Path(args.output).expanduser().resolve() if args.output
-                   else default_output(args.name))
-    return args
 
 
 def connect() -> tuple[dict, int]:
@@ -100,6 +30,29 @@ class WorkerPlan:
 
     def describe(self) -> str:
         return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
+
+    def scaling_config(self, train_v1: bool = False):
+        """Ray Train's ScalingConfig for this plan (the one place a job's workers are sized)."""
+        from ray.train import ScalingConfig
+
+        extra = {}
+        if train_v1:
+            # Train V1 reserves a CPU for the trainer itself unless told not to: on a cluster
+            # with exactly one CPU per worker the workers would wait for ever.
+            extra["trainer_resources"] = {"CPU": 0}
+        return ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu,
+                             placement_strategy=self.placement,
+                             resources_per_worker={"CPU": self.cpus_per_worker}, **extra)
+
+
+def run_config(name: str, storage_path: str, keep: int | None = None, max_failures: int = 0):
+    """Ray Train's RunConfig: the run's folder, how many checkpoints stay, how often a lost
+    worker group is restarted (FailureConfig) before the run fails."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(name=name, storage_path=storage_path,
+                     checkpoint_config=CheckpointConfig(num_to_keep=keep),
+                     failure_config=FailureConfig(max_failures=max_failures))
 
 
 def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -22,7 +23,32 @@ from .errors import UserError
 TOLERANCE = 1e-4
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
+RECORD_FILE = "published.json"  # in the run's folder: where its model was published
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published model: where its files are and what its manifest says."""
+
+    model: Path
+    manifest_path: Path
+    manifest: dict
+
+    def record(self) -> dict:
+        return {"model": str(self.model), "manifest": str(self.manifest_path),
+                "job": self.manifest["job"], "created": self.manifest["created"]}
+
+
+def published(run_dir: Path) -> Published:
+    """The model a run published last, from the record in its folder (no log to read)."""
+    path = run_dir / RECORD_FILE
+    try:
+        record = json.loads(path.read_text())
+        manifest_path = Path(record["manifest"])
+        return Published(Path(record["model"]), manifest_path, json.loads(manifest_path.read_text()))
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"no published model recorded in {path} ({e}); did the run finish?") from None
 
 
 class ParityError(RuntimeError):
@@ -136,9 +162,10 @@ def _versions(packages: list[str]) -> dict[str, str]:
 def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
                        inputs: np.ndarray, reference: np.ndarray, metrics: dict,
                        world_size: int, packages: tuple[str, ...] = (),
-                       extra: dict | None = None,
-                       tolerance: float = TOLERANCE) -> tuple[Path, Path, dict]:
-    """Check the staged model; on success move it to <output>/model.onnx and write the manifest.
+                       extra: dict | None = None, tolerance: float = TOLERANCE,
+                       record_dir: Path | None = None) -> Published:
+    """Check the staged model; on success move it to <output>/model.onnx and write the manifest
+    (and, given `record_dir`, the run's record of where it was published).
 
     On a parity failure the staged file is kept as model.rejected.onnx for inspection, the
     published model (if any) is left as it was, and a UserError says what happened.
@@ -166,10 +193,18 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
     }
     staged.replace(model_path)
     manifest_path = output / MANIFEST_FILE
-    tmp = manifest_path.with_suffix(".json.new")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False, default=_jsonable) + "\n")
-    tmp.replace(manifest_path)
-    return model_path, manifest_path, manifest
+    _write_json(manifest_path, manifest)
+    result = Published(model_path, manifest_path, manifest)
+    if record_dir is not None:
+        _write_json(record_dir / RECORD_FILE, result.record())
+    return result
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    tmp.replace(path)
 
 
 def _jsonable(v):

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
-from ddp_autoencoder import AutoEncoder, parse_args
+from ddp_autoencoder import AutoEncoder, DDPAutoencoder
 
+from trainkit import flags, harness
 from trainkit.errors import UserError
 from trainkit.onnx_export import (
     MANIFEST_FILE,
@@ -15,6 +16,7 @@ from trainkit.onnx_export import (
     export_torch,
     verify_and_publish,
 )
+from trainkit.onnx_export import published as published_model
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 120, 160), (4, 3, 40, 60), (2, 3, 200, 100)])
@@ -60,9 +62,11 @@ def test_parity_check_catches_a_wrong_model(tmp_path):
 
 def test_publish_writes_model_and_manifest(tmp_path):
     staged, x, ref = _export(tmp_path)
-    model_path, manifest_path, manifest = verify_and_publish(
+    published = verify_and_publish(
         staged, tmp_path, job="t", framework="torch", inputs=x, reference=ref,
-        metrics={"loss": 0.5}, world_size=2)
+        metrics={"loss": 0.5}, world_size=2, record_dir=tmp_path / "run")
+    model_path, manifest_path, manifest = published.model, published.manifest_path, published.manifest
+    assert published_model(tmp_path / "run") == published  # the run's record finds it again
     assert model_path == tmp_path / MODEL_FILE and model_path.exists() and not staged.exists()
     on_disk = json.loads(manifest_path.read_text())
     assert on_disk == json.loads(json.dumps(manifest))
@@ -88,18 +92,25 @@ def test_failed_parity_keeps_the_published_model(tmp_path):
     assert (tmp_path / "model.rejected.onnx").exists()
 
 
+def parse_args(argv):
+    return flags.resolve(harness.parse(DDPAutoencoder(), argv), DDPAutoencoder.name)
+
+
 def test_default_paths_follow_the_run_name(monkeypatch, tmp_path):
     monkeypatch.setenv("DLC_STORAGE_PATH", str(tmp_path / "runs"))
+    monkeypatch.setenv("DLC_MODELS", str(tmp_path / "models"))
     a = parse_args(["--name", "r1"])
     assert a.storage_path == str(tmp_path / "runs")
-    assert a.output.name == "r1"
+    assert a.output == str(tmp_path / "models" / "r1")
     assert parse_args([]).name.startswith("ddp_autoencoder-")
+    # unique even within one second
+    assert len({parse_args([]).name for _ in range(20)}) == 20
 
 
 def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--num-workers", "--batch-size", "--epochs", "--use-gpu", "--data",
-                 "--storage-path", "--output", "--name"):
+    for flag in ("--num-workers", "--batch-size", "--epochs", "--use-gpu", "--data", "--launcher",
+                 "--storage-path", "--output", "--name", "--placement"):
         assert flag in text

@@ -49,14 +49,3 @@ def test_auto_workers_train_across_the_whole_cluster():
     gpu = plan_workers(0, "auto", {"CPU": 48, "GPU": 8}, nodes=2)
     assert (gpu.num_workers, gpu.use_gpu) == (8, True)
     assert plan_workers(0, "false", {"CPU": 48, "GPU": 8}, nodes=2).num_workers == 2
-
-
-def test_num_workers_flag():
-    import argparse
-
-    from trainkit.cluster import num_workers_arg
-
-    assert num_workers_arg("auto") == 0 and num_workers_arg("3") == 3
-    for bad in ("0", "-1", "many"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            num_workers_arg(bad)

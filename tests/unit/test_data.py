@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from trainkit import data
@@ -35,7 +34,10 @@ def test_folder_is_read_recursively_and_resized(tmp_path):
     assert (src.kind, src.count) == ("folder", 7)
     ds = data.FrameDataset(src)
     x = ds[3]
-    assert x.shape == (3, 40, 60) and x.dtype == torch.float32 and 0 <= x.min() <= x.max() <= 1
+    assert x.shape == (3, 40, 60) and x.dtype == np.uint8  # scaled to [0, 1] on the device
+    floats = ds.floats([3])
+    assert floats.dtype == np.float32 and 0 <= floats.min() <= floats.max() <= 1
+    assert np.array_equal(floats[0], x / np.float32(255))
 
 
 def test_video_is_split_into_frames(tmp_path):

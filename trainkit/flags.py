@@ -1,0 +1,160 @@
+"""The flags every job shares, as argparse types: a bad value is one line (exit 2) before anything runs.
+
+    --num-workers --batch-size --epochs --lr --use-gpu --launcher
+    --storage-path --name --output --placement
+
+A job adds its own flags (its data, its sizes) and its own defaults for batch size, epochs and
+learning rate; everything else is the same in every job and is checked here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+LAUNCHERS = ("auto", "ray", "torchrun", "horovodrun", "tf_config", "local")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def dlc_home() -> Path:
+    """DLC_HOME (default ~/dlcluster): runs, models and built-in data of this user."""
+    return Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
+
+
+def default_storage() -> str:
+    """Where runs and checkpoints go: DLC_STORAGE_PATH (set on a provisioned cluster's nodes to
+    the shared storage), else $DLC_HOME/runs."""
+    return os.environ.get("DLC_STORAGE_PATH") or str(dlc_home() / "runs")
+
+
+def default_output(name: str) -> str:
+    """Where a job's verified ONNX model and manifest land: $DLC_MODELS/<name>."""
+    return str(Path(os.environ.get("DLC_MODELS") or dlc_home() / "models").expanduser() / name)
+
+
+def default_name(job: str) -> str:
+    """<job>-<date>-<time>-<4 hex>: unique even for two runs started in the same second."""
+    return time.strftime(f"{job}-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where the help text says it (default None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one line for a bad flag (`prog: error: argument --x: why`), no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
+# ------------------------------------------------------------------ argparse types
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def num_workers(text: str) -> int:
+    """A count, or `auto` (0): one worker per GPU, else one per node."""
+    if text == "auto":
+        return 0
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+
+
+def learning_rate(text: str) -> float:
+    try:
+        lr = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(lr) or lr <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0, e.g. 1e-3")
+    return lr
+
+
+def fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < f < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be between 0 and 1, e.g. 0.1")
+    return f
+
+
+def run_name(text: str) -> str:
+    """A plain name: it becomes a folder under the storage path and the models folder."""
+    if not NAME.fullmatch(text) or ".." in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
+            "(no '/', no '..', at most 128 characters)")
+    return text
+
+
+def location(text: str) -> str:
+    """A path made absolute here (~ expanded), or a URI (s3://, gs://, ...) left as it is."""
+    if URI.match(text):
+        return text
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a folder")
+    return str(Path(text).expanduser().resolve())
+
+
+# ------------------------------------------------------------------ the parser
+def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: float,
+           launchers: tuple[str, ...], worker_help: str = "data-parallel workers (one process each)"
+           ) -> argparse.ArgumentParser:
+    """A job's parser with the shared flags; the job adds its own before parsing."""
+    p = Parser(prog=job, description=description, formatter_class=HelpFormatter)
+    p.add_argument("--num-workers", type=num_workers, default="auto",
+                   help=f"{worker_help} on Ray; auto: one per GPU, else one per node "
+                        "(under torchrun/horovodrun/TF_CONFIG the launcher decides)")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="batch size per worker")
+    p.add_argument("--epochs", type=positive_int, default=epochs,
+                   help="epochs in all; a resumed run trains the missing ones")
+    p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
+    p.add_argument("--use-gpu", default="auto", choices=["auto", "true", "false"],
+                   help="train on GPUs (NCCL) or CPUs (gloo); auto: GPUs when there is one per worker")
+    p.add_argument("--launcher", default="auto", choices=("auto", *launchers),
+                   help="who starts the workers; auto: found from the environment (a Ray job, "
+                        "torchrun's RANK/WORLD_SIZE, horovodrun's HOROVOD_RANK, TF_CONFIG), else "
+                        "one local process")
+    p.add_argument("--storage-path", type=location, default=None,
+                   help="runs and checkpoints (a path or a URI such as s3://...); storage every "
+                        "node sees on a multi-node cluster (default: $DLC_STORAGE_PATH or "
+                        "~/dlcluster/runs)")
+    p.add_argument("--name", type=run_name, default=None,
+                   help=f"run name (default: {job}-<date>-<time>-<4 hex>); a rerun with the same "
+                        "name resumes from its latest checkpoint")
+    p.add_argument("--output", type=location, default=None,
+                   help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> or "
+                        "~/dlcluster/models/<name>)")
+    p.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
+                   help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK "
+                        "(on as few as it can), STRICT_SPREAD (one per node; workers <= nodes)")
+    return p
+
+
+def resolve(args: argparse.Namespace, job: str) -> argparse.Namespace:
+    """Fill in the defaults that depend on the environment or on the run name."""
+    args.name = args.name or default_name(job)
+    args.storage_path = args.storage_path or location(default_storage())
+    args.output = args.output or location(default_output(args.name))
+    return args

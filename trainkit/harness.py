@@ -1,0 +1,258 @@
+"""The training harness: everything a job does besides its model, its data and its step.
+
+A job is a `Job` subclass (through `torch_loop.TorchJob` or `keras_loop.KerasJob`) and one line,
+`harness.run(MyJob())`. The harness then
+
+1. parses and checks the shared flags (`flags`), then the job's own (`Job.prepare`, on the
+   driver, before any worker starts);
+2. finds the launcher (`launch`): on Ray it plans the workers against the cluster, builds the
+   ScalingConfig / RunConfig (`cluster`) and runs the job's trainer (TorchTrainer,
+   HorovodTrainer or TensorflowTrainer); under torchrun, horovodrun, TF_CONFIG or alone this
+   process is one rank and trains itself;
+3. on every rank restores the latest checkpoint of the run, trains the missing epochs, times
+   each phase (`timing`) and saves a checkpoint per epoch (`store`);
+4. publishes from the final checkpoint: ONNX export, onnxruntime parity and the manifest
+   (`onnx_export`), returned as data (`Published`) and recorded in the run's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import cluster, flags, launch
+from .errors import run_main
+from .onnx_export import Published, verify_and_publish
+from .progress import say
+from .store import FolderStore, read_meta
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every rank needs to know about the run (sent to Ray's workers with the job)."""
+
+    job: str
+    name: str
+    launcher: str
+    storage_path: str
+    output: str
+    epochs: int
+    batch_size: int
+    lr: float
+    use_gpu: bool
+
+
+class Job:
+    """What a job is: its name, frameworks and defaults here; its flags, data, model and step in
+    the subclass. The framework base classes (`TorchJob`, `KerasJob`) supply `world`, `fit`,
+    `load` and `export`."""
+
+    name: str
+    description: str
+    framework: str  # "torch" | "tensorflow": the manifest's framework
+    trainer: str  # the Ray trainer: "torch" | "horovod" | "tensorflow"
+    launchers: tuple[str, ...]
+    packages: tuple[str, ...] = ()  # further versions the manifest records
+    batch_size: int = 128
+    epochs: int = 1
+    lr: float = 1e-3
+    worker_help: str = "data-parallel workers (one process each)"
+
+    # ---- the job's part
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        """The job's own flags."""
+
+    def prepare(self, args: argparse.Namespace) -> dict:
+        """Check the job's own flags and its data (one-line UserError); the config every rank gets."""
+        raise NotImplementedError
+
+    def describe(self, config: dict) -> str:
+        raise NotImplementedError
+
+    def train_size(self, config: dict) -> int:
+        raise NotImplementedError
+
+    def signature(self, config: dict) -> dict:
+        """What a checkpoint must match to be resumed (model and data shapes)."""
+        return {}
+
+    def held_out(self, config: dict) -> np.ndarray:
+        """Inputs the ONNX model is checked on against the framework (float32, a batch)."""
+        raise NotImplementedError
+
+    def launcher(self, args: argparse.Namespace) -> str:
+        """The launcher this run uses: --launcher, else what the environment shows."""
+        return launch.choose(args.launcher, self.launchers, self.name)
+
+    def manifest(self, config: dict, run: Run) -> dict:
+        """Further fields for the manifest."""
+        return {}
+
+    # ---- the framework's part
+    def world(self, launcher: str, use_gpu: str | bool):
+        raise NotImplementedError
+
+    def fit(self, run: Run, config: dict, world=None) -> None:
+        raise NotImplementedError
+
+    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+        """Load the checkpoint in `folder`, export it: (staged ONNX file, the framework's output)."""
+        raise NotImplementedError
+
+
+def run(job: Job, argv: list[str] | None = None) -> None:
+    """A job file's entry point: main() with bad input turned into one line and exit 2."""
+    run_main(lambda: main(job, argv), job.name)
+
+
+def parse(job: Job, argv: list[str] | None = None) -> argparse.Namespace:
+    p = flags.parser(job.name, job.description, batch_size=job.batch_size, epochs=job.epochs,
+                     lr=job.lr, launchers=job.launchers, worker_help=job.worker_help)
+    job.add_flags(p)
+    return p.parse_args(argv)
+
+
+def main(job: Job, argv: list[str] | None = None) -> Published | None:
+    """Train and publish; the published model and manifest as data (None on ranks other than 0)."""
+    args = parse(job, argv)
+    launcher = job.launcher(args)
+    if launcher == "ray":
+        return on_ray(job, args)
+    return alone(job, args, launcher)
+
+
+def make_run(job: Job, args: argparse.Namespace, launcher: str, use_gpu: bool) -> Run:
+    return Run(job.name, args.name, launcher, args.storage_path, args.output, args.epochs,
+               args.batch_size, args.lr, use_gpu)
+
+
+# ------------------------------------------------------------------ on Ray
+def on_ray(job: Job, args: argparse.Namespace) -> Published:
+    flags.resolve(args, job.name)
+    trainer_class = ray_trainer(job.trainer)  # before anything imports Ray Train
+    config = job.prepare(args)
+    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect(),
+                                placement=args.placement)
+    cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
+    run_ = make_run(job, args, "ray", plan.use_gpu)
+    say(job.name, f"run {run_.name}: {job.describe(config)}; {plan.describe()}, batch "
+                  f"{run_.batch_size} per worker, {run_.epochs} epoch(s); storage {run_.storage_path}")
+    trainer = trainer_class(
+        ray_worker, train_loop_config={"job": job, "run": run_, "config": config},
+        scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
+        run_config=cluster.run_config(run_.name, run_.storage_path),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"run {run_.name} finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:
+        return publish(job, run_, config, Path(d), result.checkpoint.path, plan.num_workers)
+
+
+def ray_worker(loop_config: dict) -> None:
+    """What every Ray Train worker runs."""
+    loop_config["job"].fit(loop_config["run"], loop_config["config"])
+
+
+def ray_trainer(kind: str):
+    if kind == "torch":
+        from ray.train.torch import TorchTrainer
+
+        return TorchTrainer
+    if kind == "horovod":
+        # Ray 2.60 trains with Train V2 by default, and V2's HorovodTrainer is only a stub that
+        # raises ("HorovodTrainer is not supported"); V1 still runs Horovod. The switch is read
+        # when Ray Train is first imported, which nothing has done before this point.
+        if "ray.train" in sys.modules and os.environ.get("RAY_TRAIN_V2_ENABLED") != "0":
+            raise RuntimeError("Ray Train was imported before the Horovod job could choose Train V1")
+        os.environ["RAY_TRAIN_V2_ENABLED"] = "0"
+        from ray.train.horovod import HorovodTrainer
+
+        return HorovodTrainer
+    from ray.train.tensorflow import TensorflowTrainer
+
+    return TensorflowTrainer
+
+
+# ------------------------------------------------------------------ torchrun, horovodrun, TF_CONFIG, alone
+def alone(job: Job, args: argparse.Namespace, launcher: str) -> Published | None:
+    """This process is one rank of a plain launcher (or the only one): train, then rank 0 publishes."""
+    world = job.world(launcher, args.use_gpu)
+    try:
+        args.name = world.agree(args.name or flags.default_name(job.name))  # one name on every rank
+        flags.resolve(args, job.name)
+        config = job.prepare(args)
+        cluster.check_batch(args.batch_size, job.train_size(config), world.size)
+        run_ = make_run(job, args, launcher, world.use_gpu)
+        if world.rank == 0:
+            say(job.name, f"run {run_.name} under {launcher}: {job.describe(config)}; {world.size} "
+                          f"process(es) on {world.device_kind}, batch {run_.batch_size} per process, "
+                          f"{run_.epochs} epoch(s); storage {run_.storage_path}")
+        job.fit(run_, config, world)
+        if world.rank != 0:
+            return None
+        store = FolderStore(job.name, run_.name, job.signature(config), 0, run_.storage_path, world.barrier)
+        with store.latest() as last:
+            return publish(job, run_, config, last.folder, last.where, world.size)
+    finally:
+        world.shutdown()
+
+
+# ------------------------------------------------------------------ publishing
+def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, world_size: int) -> Published:
+    """The final checkpoint -> a verified ONNX model + manifest in run.output."""
+    meta = read_meta(folder)
+    inputs = job.held_out(config)
+    output = Path(run_.output)
+    staged, reference = job.export(folder, config, inputs, output)
+    published = verify_and_publish(
+        staged, output, job=job.name, framework=job.framework, inputs=inputs, reference=reference,
+        metrics=meta["metrics"], world_size=world_size, packages=job.packages,
+        extra={"launcher": run_.launcher, **job.manifest(config, run_), **meta.get("replicas", {}),
+               "run": {**asdict(run_), "checkpoint": where, "epochs_trained": meta["epoch"],
+                       "signature": meta.get("signature", {}), "data": job.describe(config)}},
+        record_dir=None if "://" in run_.storage_path else Path(run_.storage_path) / run_.name,
+    )
+    m = published.manifest
+    say(job.name, f"ONNX parity: max abs diff {m['parity']['max_abs_diff']:.2e} "
+                  f"(tolerance {m['parity']['tolerance']:g})")
+    say(job.name, f"ONNX model: {published.model}")
+    say(job.name, f"manifest:   {published.manifest_path}")
+    return published
+
+
+def digest(arrays) -> str:
+    """sha256 over a model's parameter arrays: equal on every rank when the replicas agree."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def replicas(digests: list[str]) -> dict:
+    """The replica check every job makes after each epoch: all ranks hold the same parameters."""
+    in_sync = len(set(digests)) == 1
+    if not in_sync:
+        raise RuntimeError(f"ranks ended the epoch with different parameters: {digests}")
+    return {"replicas_in_sync": in_sync, "replica_digests": digests}
+
+
+COUNTERS = {"epoch", "world_size", "device", "launcher", "train_iters", "val_iters",
+            "iters_per_epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s",
+            "validation_s", "epoch_s"}  # the harness's own metrics; the rest are the job's
+
+
+def progress(job: str, epoch: int, epochs: int, metrics: dict) -> None:
+    """The per-epoch line rank 0 prints: the metrics, then where the time went."""
+    from .timing import split
+
+    shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in COUNTERS)
+    say(job, f"epoch {epoch}/{epochs}: {shown} {metrics['samples_per_s']:.1f} samples/s "
+             f"{metrics['epoch_s']:.1f} s ({split(metrics)})")
+

@@ -1,0 +1,218 @@
+"""TensorFlow jobs: Keras `fit` under a distribution strategy, with the harness in a callback.
+
+MultiWorkerMirroredStrategy when several processes train (Ray's TensorflowTrainer sets TF_CONFIG
+for its workers; a user sets it for a plain multi-worker run), MirroredStrategy over the local
+devices when one process does. Keras is tf-keras (Keras 2): Keras 3's `fit` breaks under
+MultiWorkerMirroredStrategy, and Ray's trainer sets TF_USE_LEGACY_KERAS=1 on its workers.
+
+This module imports nothing of torch, so a TensorFlow job's processes never load torch's CUDA
+libraries.
+
+Timing: in Keras' `fit` the tf.data pipeline runs inside the compiled train step, so
+`processing_s` (Keras' batch begin -> end) includes reading the batch, and `dataflow_s` is the
+host's time between steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import launch
+from .errors import UserError
+from .harness import Job, Run, digest, progress, replicas
+from .store import FolderStore, RayStore
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+WEIGHTS = "weights.h5"
+OPTIMIZER = "optimizer.npz"
+
+
+class World:
+    """The strategy and this process's place in it."""
+
+    def __init__(self, launcher: str, use_gpu: str | bool):
+        import tensorflow as tf
+
+        self.tf, self.launcher = tf, launcher
+        gpus = tf.config.list_physical_devices("GPU")
+        if use_gpu in ("true", True) and not gpus:
+            raise UserError(f"--use-gpu true but TensorFlow {tf.__version__} sees no GPU (built for "
+                            f"CUDA {tf.sysconfig.get_build_info().get('cuda_version', 'none')}); "
+                            "check the node's CUDA libraries, or pass --use-gpu false")
+        self.use_gpu = bool(gpus) and use_gpu not in ("false", False)
+        if gpus and not self.use_gpu:
+            tf.config.set_visible_devices([], "GPU")
+        if launcher == "local":
+            self.strategy = tf.distribute.MirroredStrategy()
+            self.rank, self.size = 0, 1
+        else:
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
+            if launcher == "ray":
+                import ray.train
+
+                ctx = ray.train.get_context()
+                self.rank, self.size = ctx.get_world_rank(), ctx.get_world_size()
+            else:
+                self.rank, self.size, _ = launch.world_from_env(launcher)
+        self.replicas = self.strategy.num_replicas_in_sync
+
+    @property
+    def device_kind(self) -> str:
+        return "GPU" if self.use_gpu else "CPU"
+
+    def gather_bytes(self, data: bytes, width: int = 64) -> list[bytes]:
+        """Every replica's `data` (at most `width` bytes), in rank order: an all-gather."""
+        tf = self.tf
+        padded = np.frombuffer(data.ljust(width, b"\0")[:width], np.uint8).astype(np.int32)
+        gathered = tf.function(lambda: self.strategy.gather(
+            self.strategy.run(lambda: tf.constant(padded[None, :])), axis=0))
+        rows = gathered().numpy().astype(np.uint8)
+        return [bytes(r).rstrip(b"\0") for r in rows]
+
+    def gather(self, text: str) -> list[str]:
+        return [b.decode() for b in self.gather_bytes(text.encode())]
+
+    def agree(self, value: str) -> str:
+        return self.gather(value)[0]
+
+    def barrier(self) -> None:
+        self.gather_bytes(b"")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class KerasJob(Job):
+    """A tf-keras job: the subclass gives model(), compile() and datasets()."""
+
+    framework = "tensorflow"
+    trainer = "tensorflow"
+    launchers = ("ray", "tf_config", "local")
+    packages = ("tf-keras", "tf2onnx")
+
+    def model(self, config: dict):
+        raise NotImplementedError
+
+    def compile(self, model, lr: float) -> None:
+        raise NotImplementedError
+
+    def datasets(self, config: dict, global_batch: int, replicas: int):
+        """(training, validation) tf.data sets, batched by `global_batch`."""
+        raise NotImplementedError
+
+    def world(self, launcher: str, use_gpu: str | bool) -> World:
+        return World(launcher, use_gpu)
+
+    def fit(self, run: Run, config: dict, world: World | None = None) -> None:
+        world = world or self.world(run.launcher, run.use_gpu)
+        if run.launcher == "ray":
+            store = RayStore(self.name, run.name, self.signature(config), world.rank)
+        else:
+            store = FolderStore(self.name, run.name, self.signature(config), world.rank,
+                                run.storage_path, world.barrier)
+        with world.strategy.scope():
+            model = self.model(config)
+            self.compile(model, run.lr)
+            start = 0
+            with store.latest() as last:
+                if last is not None:
+                    load(model, last.folder)
+                    start = last.epoch
+                    if world.rank == 0:
+                        self.say(f"resuming after epoch {start} from {last.where}")
+        if start >= run.epochs:
+            if world.rank == 0:
+                self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
+                         "(raise --epochs to train on)")
+            return
+        global_batch = run.batch_size * world.replicas
+        train, val = self.datasets(config, global_batch, world.replicas)
+        report = EpochReport(self, run, world, store, self.train_size(config) // global_batch * global_batch)
+        model.fit(train, validation_data=val, epochs=run.epochs, initial_epoch=start,
+                  callbacks=[report], verbose=0)
+
+    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+        from .onnx_export import export_keras
+
+        model = self.model(config)
+        model.load_weights(str(folder / WEIGHTS))
+        return export_keras(model, inputs, output), model.predict(inputs, verbose=0)
+
+    def say(self, message: str) -> None:
+        from .progress import say
+
+        say(self.name, message)
+
+
+def save(model, folder: Path) -> None:
+    model.save_weights(str(folder / WEIGHTS))
+    np.savez(folder / OPTIMIZER, *[v.numpy() for v in model.optimizer.variables])
+
+
+def load(model, folder: Path) -> None:
+    """Weights and the optimizer's state (its step count and moments) from a checkpoint."""
+    try:
+        model.load_weights(str(folder / WEIGHTS))
+        saved = np.load(folder / OPTIMIZER)
+        model.optimizer.build(model.trainable_variables)
+        variables = model.optimizer.variables
+        if len(saved.files) != len(variables):
+            raise ValueError(f"{len(saved.files)} optimizer variables saved, {len(variables)} here")
+        for v, key in zip(variables, saved.files, strict=True):
+            v.assign(saved[key])
+    except (ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0][:200]
+        raise UserError(f"the checkpoint in {folder} does not fit this model ({first}); resume it "
+                        "with its own flags, or use another --name for a new run") from None
+
+
+try:
+    import tf_keras as _keras
+
+    _Callback = _keras.callbacks.Callback
+except ImportError:  # pragma: no cover - only where TensorFlow is missing
+    _Callback = object
+
+
+class EpochReport(_Callback):
+    """Times each phase, checks the replicas, prints rank 0's line and saves the checkpoint."""
+
+    def __init__(self, job: KerasJob, run: Run, world: World, store, samples: int):
+        super().__init__()
+        self.job, self.run, self.world, self.store, self.samples = job, run, world, store, samples
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.t0 = time.perf_counter()
+        self.processing = self.validation = 0.0
+        self.val_t0 = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.b0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.processing += time.perf_counter() - self.b0
+
+    def on_test_begin(self, logs=None):
+        self.val_t0 = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        self.validation = time.perf_counter() - self.val_t0
+
+    def on_epoch_end(self, epoch, logs=None):
+        end = time.perf_counter()
+        train_s = (end - self.t0) - self.validation
+        metrics = {k: float(v) for k, v in (logs or {}).items()}
+        metrics.update(epoch=epoch + 1, world_size=self.world.size, device="gpu" if self.world.use_gpu
+                       else "cpu", launcher=self.run.launcher, dataflow_s=train_s - self.processing,
+                       processing_s=self.processing, validation_s=self.validation,
+                       epoch_s=end - self.t0, samples_per_s=self.samples / train_s)
+        check = replicas(self.world.gather(digest(self.model.get_weights())))
+        if self.world.rank == 0:
+            progress(self.job.name, epoch + 1, self.run.epochs, metrics)
+        self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)

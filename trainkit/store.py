@@ -1,0 +1,152 @@
+"""Checkpoints: save on rank 0 and report every epoch, restore the latest at start.
+
+One interface, two places: under Ray Train the checkpoints are Ray's (`ray.train.report`,
+`ray.train.get_checkpoint`, kept under `<storage>/<name>/` by Ray); under torchrun, horovodrun,
+TF_CONFIG or one local process they are folders `<storage>/<name>/checkpoint_<epoch>/` that rank
+0 writes whole and renames into place. Either way each checkpoint holds the framework's files
+plus `meta.json`: the job, the epoch, its metrics and the run's *signature* (the model and data
+shapes it was trained with). A rerun whose signature differs is a one-line error, not a
+state_dict traceback, and its checkpoints are not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+META = "meta.json"
+PLAIN = re.compile(r"checkpoint_(\d{6})")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The latest checkpoint, opened as a local folder (valid inside `Store.latest()`)."""
+
+    folder: Path
+    where: str  # where it lives (a path or a URI), for messages and the manifest
+    meta: dict
+
+    @property
+    def epoch(self) -> int:
+        return int(self.meta["epoch"])
+
+
+def read_meta(folder: Path) -> dict:
+    return json.loads((folder / META).read_text())
+
+
+def check_signature(meta: dict, job: str, signature: dict, name: str) -> None:
+    """A checkpoint of another job, model or data shape cannot be resumed: say so in one line."""
+    if meta.get("job") != job:
+        raise UserError(f"run {name} holds checkpoints of {meta.get('job')!r}, not {job}; use "
+                        "another --name")
+    theirs = meta.get("signature") or {}
+    changed = {k: (theirs.get(k), v) for k, v in signature.items() if theirs.get(k) != v}
+    if changed:
+        what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        raise UserError(f"run {name} was trained with other shapes than asked ({what}); resume "
+                        "it with its own flags, or use another --name for a new run")
+
+
+class Store:
+    """Where one rank saves and restores; every rank calls `save` each epoch (rank 0 writes)."""
+
+    def __init__(self, job: str, name: str, signature: dict, rank: int):
+        self.job, self.name, self.signature, self.rank = job, name, signature, rank
+
+    def meta(self, epoch: int, metrics: dict, replicas: dict | None) -> dict:
+        return {"job": self.job, "epoch": epoch, "metrics": metrics, "signature": self.signature,
+                "replicas": replicas or {}}
+
+    @contextlib.contextmanager
+    def latest(self) -> Iterator[Restored | None]:
+        with self._latest() as found:
+            if found is not None:
+                check_signature(found.meta, self.job, self.signature, self.name)
+            yield found
+
+    def _latest(self):
+        raise NotImplementedError
+
+    def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
+             replicas: dict | None = None) -> None:
+        """Every rank calls this after each epoch; rank 0 calls `write(folder)` for the framework's
+        files. `replicas`: the ranks' parameter digests, kept for the manifest."""
+        raise NotImplementedError
+
+
+class RayStore(Store):
+    """Ray Train's checkpoints: rank 0 hands a folder to `ray.train.report`, every rank reports."""
+
+    @contextlib.contextmanager
+    def _latest(self):
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as d:
+            yield Restored(Path(d), checkpoint.path, read_meta(Path(d)))
+
+    def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
+             replicas: dict | None = None) -> None:
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if self.rank == 0:
+                write(Path(d))
+                (Path(d) / META).write_text(json.dumps(self.meta(epoch, metrics, replicas), indent=1))
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+class FolderStore(Store):
+    """`<storage>/<name>/checkpoint_<epoch>/`, written to a hidden folder and renamed into place,
+    so a crash mid-save leaves the previous checkpoint as the latest."""
+
+    def __init__(self, job: str, name: str, signature: dict, rank: int, storage_path: str,
+                 barrier: Callable[[], None]):
+        super().__init__(job, name, signature, rank)
+        if "://" in storage_path:
+            raise UserError(f"--storage-path {storage_path} is a URI, which only the Ray launcher "
+                            "writes to; give a folder every rank sees, or run on Ray")
+        self.run_dir = Path(storage_path) / name
+        self.barrier = barrier
+
+    def checkpoints(self) -> list[Path]:
+        if not self.run_dir.is_dir():
+            return []
+        return sorted(p for p in self.run_dir.iterdir()
+                      if PLAIN.fullmatch(p.name) and (p / META).is_file())
+
+    @contextlib.contextmanager
+    def _latest(self):
+        found = self.checkpoints()
+        yield Restored(found[-1], str(found[-1]), read_meta(found[-1])) if found else None
+
+    def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
+             replicas: dict | None = None) -> None:
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            final = self.run_dir / f"checkpoint_{epoch:06d}"
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self.run_dir))
+            try:
+                write(tmp)
+                (tmp / META).write_text(json.dumps(self.meta(epoch, metrics, replicas), indent=1))
+                if final.exists():  # the same epoch saved again by a run that failed after it
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.barrier()  # no rank starts the next epoch before the checkpoint is in place

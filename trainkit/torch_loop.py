@@ -1,0 +1,342 @@
+"""PyTorch jobs: the epoch loop, and the two ways ranks talk (torch.distributed, Horovod).
+
+The loop is the same under every launcher. What differs sits in a small `World` (in the spirit
+of Ignite's `idist`): rank, size, device, how the model and optimizer are wrapped (DDP, or
+Horovod's DistributedOptimizer + broadcasts), and the collectives the harness needs (a sum, an
+all-gather, a barrier). Under Ray's TorchTrainer the process group is Ray's; under torchrun the
+world makes it from torchrun's environment; alone there is none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import launch
+from .errors import UserError
+from .harness import Job, Run, digest, progress, replicas
+from .store import FolderStore, RayStore
+from .timing import PhaseTimer
+
+STATE_FILE = "state.pt"
+
+
+def want_gpu(use_gpu: str | bool) -> bool:
+    """--use-gpu for this process: auto uses CUDA when it sees a device; true without one is an error."""
+    seen = torch.cuda.is_available()
+    if use_gpu in ("true", True) and not seen:
+        raise UserError("--use-gpu true but this process sees no CUDA device (torch "
+                        f"{torch.__version__}, CUDA build {torch.version.cuda}); check the driver "
+                        "and CUDA_VISIBLE_DEVICES, or pass --use-gpu false")
+    return seen if use_gpu == "auto" else use_gpu in ("true", True)
+
+
+class World:
+    """torch.distributed: Ray's TorchTrainer group, torchrun's, or a single process."""
+
+    def __init__(self, launcher: str, use_gpu: str | bool):
+        import torch.distributed as dist
+
+        self.launcher, self.dist = launcher, dist
+        self.use_gpu = want_gpu(use_gpu)
+        if launcher == "ray":
+            import ray.train.torch
+
+            self.device = ray.train.torch.get_device() if self.use_gpu else torch.device("cpu")
+        else:
+            _, _, local = launch.world_from_env(launcher)
+            self.device = torch.device("cuda", local) if self.use_gpu else torch.device("cpu")
+        if self.use_gpu:
+            torch.cuda.set_device(self.device)
+        if launcher == "torchrun" and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.use_gpu else "gloo")
+        self.grouped = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.grouped else 0
+        self.size = dist.get_world_size() if self.grouped else 1
+        self.allreduce_s = 0.0
+
+    @property
+    def device_kind(self) -> str:
+        return "GPU" if self.use_gpu else "CPU"
+
+    def sync(self) -> None:
+        if self.use_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def sum(self, values: list) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.grouped:
+            self.dist.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        if not self.grouped:
+            return [obj]
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, value):
+        """Rank 0's value on every rank (e.g. a generated run name)."""
+        if not self.grouped:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.grouped:
+            self.dist.barrier()
+
+    def wrap(self, model: nn.Module, optimizer):
+        """DDP over the group (its parameters start as rank 0's), with a comm hook that times
+        the gradient all-reduce."""
+        if self.size == 1:
+            return model, optimizer
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.use_gpu else None)
+
+        def timed(state, bucket):
+            t0 = time.perf_counter()
+
+            def done(fut):
+                self.allreduce_s += time.perf_counter() - t0
+                return fut.value()
+
+            return allreduce_hook(state, bucket).then(done)
+
+        ddp.register_comm_hook(None, timed)
+        return ddp, optimizer
+
+    def step(self, optimizer, timer: PhaseTimer) -> None:
+        optimizer.step()
+
+    def take_allreduce_s(self) -> float:
+        seconds, self.allreduce_s = self.allreduce_s, 0.0
+        return seconds
+
+    def shutdown(self) -> None:
+        if self.launcher == "torchrun" and self.grouped:
+            self.dist.destroy_process_group()
+
+
+class HorovodWorld(World):
+    """Horovod: hvd.init(), one GPU per local rank, DistributedOptimizer and broadcasts from rank 0."""
+
+    def __init__(self, launcher: str, use_gpu: str | bool):
+        import horovod.torch as hvd
+
+        self.hvd, self.launcher = hvd, launcher
+        self.use_gpu = want_gpu(use_gpu)
+        hvd.init()
+        self.rank, self.size, self.grouped = hvd.rank(), hvd.size(), True
+        self.device = torch.device("cuda", hvd.local_rank()) if self.use_gpu else torch.device("cpu")
+        if self.use_gpu:
+            torch.cuda.set_device(self.device)
+        self.allreduce_s = 0.0
+
+    def sum(self, values: list) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        return self.hvd.allreduce(t, op=self.hvd.Sum, name="harness.sum").tolist()
+
+    def gather(self, obj) -> list:
+        return self.hvd.allgather_object(obj, name="harness.gather")
+
+    def agree(self, value):
+        return self.hvd.broadcast_object(value, root_rank=0, name="harness.agree")
+
+    def barrier(self) -> None:
+        self.hvd.allreduce(torch.zeros(1), name="harness.barrier")
+
+    def wrap(self, model: nn.Module, optimizer):
+        hvd = self.hvd
+        restored = optimizer.state_dict()  # DistributedOptimizer starts with an empty state
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer.load_state_dict(restored)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return model, optimizer
+
+    def step(self, optimizer, timer: PhaseTimer) -> None:
+        # Horovod all-reduces each gradient as backward produces it; synchronize() waits for all.
+        t0 = time.perf_counter()
+        optimizer.synchronize()
+        self.allreduce_s += time.perf_counter() - t0
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()  # all ranks leave together (no "connection reset" from an early one)
+
+
+class TorchJob(Job):
+    """A PyTorch job: the subclass gives model(), optimizer(), datasets() and step()."""
+
+    framework = "torch"
+    trainer = "torch"
+    launchers = ("ray", "torchrun", "local")
+    loader_workers = 0
+
+    # ---- the job's part
+    def model(self, config: dict) -> nn.Module:
+        raise NotImplementedError
+
+    def optimizer(self, model: nn.Module, lr: float, world_size: int):
+        return torch.optim.Adam(model.parameters(), lr=lr)
+
+    def datasets(self, config: dict):
+        """(training set, validation set): torch Datasets."""
+        raise NotImplementedError
+
+    def step(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward one batch: the mean loss to back-propagate, and per-batch sums of the metrics
+        (e.g. {"loss": loss * n, "accuracy": correct}); the harness divides by the samples seen."""
+        raise NotImplementedError
+
+    # ---- the framework's part
+    def world(self, launcher: str, use_gpu: str | bool) -> World:
+        return HorovodWorld(launcher, use_gpu) if self.trainer == "horovod" else World(launcher, use_gpu)
+
+    def fit(self, run: Run, config: dict, world: World | None = None) -> None:
+        world = world or self.world(run.launcher, run.use_gpu)
+        if run.launcher == "ray":
+            store = RayStore(self.name, run.name, self.signature(config), world.rank)
+        else:
+            store = FolderStore(self.name, run.name, self.signature(config), world.rank,
+                                run.storage_path, world.barrier)
+        torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
+        model = self.model(config).to(world.device)
+        optimizer = self.optimizer(model, run.lr, world.size)
+        start = 0
+        with store.latest() as last:
+            if last is not None:
+                state = torch.load(last.folder / STATE_FILE, map_location=world.device, weights_only=True)
+                load_state(model, optimizer, state, run.name)
+                start = last.epoch
+                if world.rank == 0:
+                    self.say(f"resuming after epoch {start} from {last.where}")
+        if start >= run.epochs:
+            if world.rank == 0:
+                self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
+                         "(raise --epochs to train on)")
+            return
+        wrapped, optimizer = world.wrap(model, optimizer)
+        train_set, val_set = self.datasets(config)
+        train = self.loader(train_set, run.batch_size, world, shuffle=True)
+        val = self.loader(val_set, run.batch_size, world, shuffle=False)
+        for epoch in range(start, run.epochs):
+            if world.size > 1:
+                train.sampler.set_epoch(epoch)
+            metrics = self.epoch(wrapped, optimizer, train, val, world)
+            metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
+                           launcher=run.launcher)
+            check = replicas(world.gather(digest(p.detach().cpu().numpy()
+                                                 for p in model.state_dict().values())))
+            if world.rank == 0:
+                progress(self.name, epoch + 1, run.epochs, metrics)
+
+            store.save(epoch + 1, metrics, lambda folder: torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),
+                replicas=check)
+
+    def loader(self, dataset, batch_size: int, world: World, shuffle: bool):
+        """Ignite's auto_dataloader: a DistributedSampler over the world, pinned memory on GPU."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = (DistributedSampler(dataset, num_replicas=world.size, rank=world.rank, shuffle=shuffle)
+                   if world.size > 1 else None)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                          shuffle=shuffle and sampler is None, num_workers=self.loader_workers,
+                          pin_memory=world.use_gpu, persistent_workers=self.loader_workers > 0)
+
+    def epoch(self, model, optimizer, train, val, world: World) -> dict:
+        timer = PhaseTimer(world.sync)
+        sums: dict[str, torch.Tensor] = {}
+        model.train()
+        n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer)
+        train_s = timer.train_s
+        timer.add("allreduce_s", world.take_allreduce_s())
+        val_sums: dict[str, torch.Tensor] = {}
+        model.eval()
+        with timer.phase("validation_s"), torch.no_grad():
+            n_val = self.run_pass(model, val, world, None, None, val_sums, None)
+        seconds = timer.done()
+        # one all-reduce per epoch: metric sums, sample counts and phase times of every rank
+        keys, vkeys = list(sums), list(val_sums)  # the step's order, the same on every rank
+        totals = world.sum([*(sums[k].item() for k in keys), n_train, len(train),
+                            *(val_sums[k].item() for k in vkeys), n_val, len(val),
+                            *seconds.values(), train_s])
+        it = iter(totals)
+        metrics = {k: next(it) for k in keys}
+        n = next(it)
+        metrics = {k: v / n for k, v in metrics.items()}
+        train_iters = round(next(it) / world.size)
+        val_metrics = {k: next(it) for k in vkeys}
+        n_v = next(it)
+        metrics.update({f"val_{k}": v / n_v for k, v in val_metrics.items()})
+        val_iters = round(next(it) / world.size)
+        metrics.update({k: next(it) / world.size for k in seconds})  # mean over the ranks
+        metrics.update(train_iters=train_iters, val_iters=val_iters,
+                       iters_per_epoch=train_iters + val_iters,  # per worker, as the tutorial counts
+                       samples_per_s=n / (next(it) / world.size))
+        return metrics
+
+    def run_pass(self, model, loader, world: World, timer: PhaseTimer | None, phase: str | None,
+                 sums: dict, optimizer) -> int:
+        """One pass over a loader; metric sums stay on the device (no host sync per step)."""
+        seen = 0
+        batches = timer.batches(loader) if timer else loader
+        for batch in batches:
+            with timer.phase(phase) if timer else contextlib.nullcontext():
+                batch = to_device(batch, world.device)
+                loss, stats = self.step(model, batch)
+                if optimizer is not None:
+                    optimizer.zero_grad()
+                    loss.backward()
+                    world.step(optimizer, timer)
+                for k, v in stats.items():
+                    sums[k] = sums[k] + v.detach() if k in sums else v.detach().double()
+            seen += len(batch[0] if isinstance(batch, list | tuple) else batch)
+        return seen
+
+    # ---- publishing
+    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+        from .onnx_export import export_torch
+
+        model = self.model(config)
+        model.load_state_dict(torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)["model"])
+        model.eval()
+        x = torch.from_numpy(inputs)
+        with torch.no_grad():
+            reference = model(x).numpy()
+        return export_torch(model, x, output), reference
+
+    def say(self, message: str) -> None:
+        from .progress import say
+
+        say(self.name, message)
+
+
+def load_state(model: nn.Module, optimizer, state: dict, name: str) -> None:
+    """A checkpoint's weights into the model; one line when they do not fit it."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0][:200]
+        raise UserError(f"run {name}'s checkpoint does not fit this model ({first}); resume it with "
+                        "its own flags, or use another --name for a new run") from None
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, list | tuple):
+        return type(batch)(b.to(device, non_blocking=True) for b in batch)
+    return batch.to(device, non_blocking=True)
+
