@@ -308,19 +308,6 @@ def trainer_args(job: str, workers: int, use_gpu: bool) -> list[str]:
     raise ValueError(job)
 
 
-def parse_model_paths(logs: str) -> tuple[str | None, str | None]:
-    """The 'ONNX model: PATH' and 'manifest: PATH' lines every job prints at its end."""
-    model = manifest = None
-    for line in logs.splitlines():
-        head, sep, rest = line.partition("] ONNX model: ")
-        if sep and head.lstrip().startswith("["):
-            model = rest.strip()
-        head, sep, rest = line.partition("] manifest:")
-        if sep and head.lstrip().startswith("[") and rest.strip():
-            manifest = rest.strip()
-    return model, manifest
-
-
 # ------------------------------------------------------------------ proxyjump
 def proxyjump_skip_reason(desc: dict) -> str | None:
     if not desc.get("ssh_config") or not desc.get("bastion"):
@@ -661,22 +648,19 @@ def step_trainers(ctx: Context) -> dict:
             results[job] = {"name": name, "ok": False, "error": f"{job}: no time left in the step"}
             continue
         run = ctx.jobs.run(job, argv, ctx.deadline)
-        model, manifest = parse_model_paths(run.logs)
-        results[job] = {"name": name, **run.summary(), "model": model, "manifest": manifest}
+        results[job] = {"name": name, **run.summary()}
         if not run.ok:
             results[job].update(ok=False, error=str(failed_job(job, run)), log_tail=run.tail())
             log(f"{job}: {run.status} after {run.seconds:.0f} s; the job's last {len(run.tail())} lines:")
             for line in run.tail():
                 print(f"    {line}", flush=True)
-        elif not model or not manifest:
-            results[job].update(ok=False, error=f"{job} succeeded but printed no 'ONNX model:' "
-                                "and 'manifest:' lines", log_tail=run.tail())
         else:
-            log(f"{job}: succeeded in {run.seconds:.0f} s; model {model}")
-            models.append({"job": job, "model": model, "manifest": manifest})
+            log(f"{job}: succeeded in {run.seconds:.0f} s")
+            # the check job finds the model through the run's record (published.json)
+            models.append({"job": job, "name": name, "storage_path": ctx.args.storage_path})
     if models:
         argv = ["python", "ray/smoke_checks.py", "models", "--world-size", str(ctx.workers),
-                "--models", json.dumps(models)]
+                "--runs", json.dumps(models)]
         if ctx.args.clean:
             argv.append("--clean")
         run = ctx.jobs.run("models", argv, max(ctx.deadline, time.monotonic() + 300))
@@ -689,7 +673,8 @@ def step_trainers(ctx: Context) -> dict:
                 r.update(ok=False, error=f"{m['job']}: the model check job {run.status.lower()} "
                          f"without a verdict", check_job=run.summary(), log_tail=run.tail())
                 continue
-            r.update(ok=got["ok"], verified=got["ok"], check=got)
+            r.update(ok=got["ok"], verified=got["ok"], check=got, model=got.get("model"),
+                     manifest=got.get("manifest"))
             if not got["ok"]:
                 r["error"] = f"{m['job']}: model check: " + "; ".join(got["problems"])
     failed = [j for j, r in results.items() if not r.get("ok")]

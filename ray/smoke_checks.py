@@ -197,8 +197,7 @@ def run_allreduce(a: argparse.Namespace) -> dict:
     collector = Collector.remote()
     storage = a.storage_path
     if storage is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from trainkit.cluster import default_storage
+        from trainkit.flags import default_storage
 
         storage = default_storage()
     backend = "nccl" if a.use_gpu else "gloo"
@@ -224,6 +223,20 @@ def run_allreduce(a: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------ models
+def check_run(job: str, name: str, storage_path: str | None, world_size: int, clean: bool) -> dict:
+    """The model a trainer's run published, found through its record in the run's folder."""
+    from trainkit.errors import UserError
+    from trainkit.flags import default_storage
+    from trainkit.onnx_export import published
+
+    run_dir = Path(storage_path or default_storage()) / name
+    try:
+        p = published(run_dir)
+    except UserError as e:
+        return {"job": job, "run": name, "ok": False, "problems": [str(e)]}
+    return check_model(job, p.model, p.manifest_path, world_size, clean)
+
+
 def check_model(job: str, model: Path, manifest_path: Path, world_size: int, clean: bool) -> dict:
     """Load model.onnx in onnxruntime, run it on zeros of the manifest's input shape (batch 1 for
     a named axis), and check the manifest: its model, job, I/O against the file's, the parity
@@ -303,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--storage-path", default=None)
     mo = sub.add_parser("models")
     mo.add_argument("--world-size", type=int, required=True)
-    mo.add_argument("--models", required=True, help='JSON: [{"job": ..., "model": ..., "manifest": ...}]')
+    mo.add_argument("--runs", required=True,
+                    help='JSON: [{"job": ..., "name": ..., "storage_path": ... or null}]')
     mo.add_argument("--clean", action="store_true")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -313,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         a.sizes = [int(s) for s in a.sizes.split(",")]
         payload = run_allreduce(a)
     else:
-        models = [check_model(m["job"], Path(m["model"]), Path(m["manifest"]), a.world_size, a.clean)
-                  for m in json.loads(a.models)]
+        models = [check_run(r["job"], r["name"], r.get("storage_path"), a.world_size, a.clean)
+                  for r in json.loads(a.runs)]
         payload = {"models": models, "hostname": socket.gethostname()}
     payload["seconds"] = time.perf_counter() - t0
     emit(payload)

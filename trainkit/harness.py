@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import socket
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from . import cluster, flags, launch
 from .errors import run_main
 from .onnx_export import Published, verify_and_publish
 from .progress import say
-from .store import FolderStore, read_meta
+from .store import FolderStore, RayStore, Store, read_meta
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,34 @@ class Job:
     def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
         """Load the checkpoint in `folder`, export it: (staged ONNX file, the framework's output)."""
         raise NotImplementedError
+
+    # ---- shared by the frameworks' loops
+    def store(self, run: Run, config: dict, world) -> Store:
+        """Where this rank saves and restores: Ray Train's checkpoints, or the run's folder."""
+        if run.launcher == "ray":
+            return RayStore(self.name, run.name, self.signature(config), world.rank)
+        return FolderStore(self.name, run.name, self.signature(config), world.rank,
+                           run.storage_path, world.barrier)
+
+    def resume(self, store: Store, run: Run, world, load: Callable[[Path], None]) -> int | None:
+        """Restore the run's latest checkpoint with `load(folder)`: the epoch to go on from, or
+        None when the run has trained all its epochs already."""
+        start = 0
+        with store.latest() as last:
+            if last is not None:
+                load(last.folder)
+                start = last.epoch
+                if world.rank == 0:
+                    self.say(f"resuming after epoch {start} from {last.where}")
+        if start < run.epochs:
+            return start
+        if world.rank == 0:
+            self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
+                     "(raise --epochs to train on)")
+        return None
+
+    def say(self, message: str) -> None:
+        say(self.name, message)
 
 
 def run(job: Job, argv: list[str] | None = None) -> None:
@@ -235,12 +265,19 @@ def digest(arrays) -> str:
     return h.hexdigest()
 
 
-def replicas(digests: list[str]) -> dict:
-    """The replica check every job makes after each epoch: all ranks hold the same parameters."""
+def replicas(found: list[str]) -> dict:
+    """The check every job makes after each epoch: all ranks hold the same parameters. `found`:
+    each rank's "<host> <digest>" (rank order), from `replica()` gathered over the world."""
+    hosts, digests = zip(*(f.split(" ", 1) for f in found), strict=True)
     in_sync = len(set(digests)) == 1
     if not in_sync:
-        raise RuntimeError(f"ranks ended the epoch with different parameters: {digests}")
-    return {"replicas_in_sync": in_sync, "replica_digests": digests}
+        raise RuntimeError(f"ranks ended the epoch with different parameters: {list(digests)}")
+    return {"replicas_in_sync": in_sync, "replica_digests": list(digests), "replica_hosts": list(hosts)}
+
+
+def replica(arrays) -> str:
+    """This rank's part of the replica check: its host and its parameters' digest."""
+    return f"{socket.gethostname()} {digest(arrays)}"
 
 
 COUNTERS = {"epoch", "world_size", "device", "launcher", "train_iters", "val_iters",

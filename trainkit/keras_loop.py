@@ -23,8 +23,7 @@ import numpy as np
 
 from . import launch
 from .errors import UserError
-from .harness import Job, Run, digest, progress, replicas
-from .store import FolderStore, RayStore
+from .harness import Job, Run, progress, replica, replicas
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -66,7 +65,7 @@ class World:
     def device_kind(self) -> str:
         return "GPU" if self.use_gpu else "CPU"
 
-    def gather_bytes(self, data: bytes, width: int = 64) -> list[bytes]:
+    def gather_bytes(self, data: bytes, width: int = 320) -> list[bytes]:
         """Every replica's `data` (at most `width` bytes), in rank order: an all-gather."""
         tf = self.tf
         padded = np.frombuffer(data.ljust(width, b"\0")[:width], np.uint8).astype(np.int32)
@@ -111,25 +110,12 @@ class KerasJob(Job):
 
     def fit(self, run: Run, config: dict, world: World | None = None) -> None:
         world = world or self.world(run.launcher, run.use_gpu)
-        if run.launcher == "ray":
-            store = RayStore(self.name, run.name, self.signature(config), world.rank)
-        else:
-            store = FolderStore(self.name, run.name, self.signature(config), world.rank,
-                                run.storage_path, world.barrier)
+        store = self.store(run, config, world)
         with world.strategy.scope():
             model = self.model(config)
             self.compile(model, run.lr)
-            start = 0
-            with store.latest() as last:
-                if last is not None:
-                    load(model, last.folder)
-                    start = last.epoch
-                    if world.rank == 0:
-                        self.say(f"resuming after epoch {start} from {last.where}")
-        if start >= run.epochs:
-            if world.rank == 0:
-                self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
-                         "(raise --epochs to train on)")
+            start = self.resume(store, run, world, lambda folder: load(model, folder))
+        if start is None:
             return
         global_batch = run.batch_size * world.replicas
         train, val = self.datasets(config, global_batch, world.replicas)
@@ -143,11 +129,6 @@ class KerasJob(Job):
         model = self.model(config)
         model.load_weights(str(folder / WEIGHTS))
         return export_keras(model, inputs, output), model.predict(inputs, verbose=0)
-
-    def say(self, message: str) -> None:
-        from .progress import say
-
-        say(self.name, message)
 
 
 def save(model, folder: Path) -> None:
@@ -212,7 +193,7 @@ class EpochReport(_Callback):
                        else "cpu", launcher=self.run.launcher, dataflow_s=train_s - self.processing,
                        processing_s=self.processing, validation_s=self.validation,
                        epoch_s=end - self.t0, samples_per_s=self.samples / train_s)
-        check = replicas(self.world.gather(digest(self.model.get_weights())))
+        check = replicas(self.world.gather(replica(self.model.get_weights())))
         if self.world.rank == 0:
             progress(self.job.name, epoch + 1, self.run.epochs, metrics)
         self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)

@@ -19,8 +19,7 @@ from torch import nn
 
 from . import launch
 from .errors import UserError
-from .harness import Job, Run, digest, progress, replicas
-from .store import FolderStore, RayStore
+from .harness import Job, Run, progress, replica, replicas
 from .timing import PhaseTimer
 
 STATE_FILE = "state.pt"
@@ -206,26 +205,14 @@ class TorchJob(Job):
 
     def fit(self, run: Run, config: dict, world: World | None = None) -> None:
         world = world or self.world(run.launcher, run.use_gpu)
-        if run.launcher == "ray":
-            store = RayStore(self.name, run.name, self.signature(config), world.rank)
-        else:
-            store = FolderStore(self.name, run.name, self.signature(config), world.rank,
-                                run.storage_path, world.barrier)
+        store = self.store(run, config, world)
         torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
         model = self.model(config).to(world.device)
         optimizer = self.optimizer(model, run.lr, world.size)
-        start = 0
-        with store.latest() as last:
-            if last is not None:
-                state = torch.load(last.folder / STATE_FILE, map_location=world.device, weights_only=True)
-                load_state(model, optimizer, state, run.name)
-                start = last.epoch
-                if world.rank == 0:
-                    self.say(f"resuming after epoch {start} from {last.where}")
-        if start >= run.epochs:
-            if world.rank == 0:
-                self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
-                         "(raise --epochs to train on)")
+        start = self.resume(store, run, world, lambda folder: load_state(
+            model, optimizer, torch.load(folder / STATE_FILE, map_location=world.device,
+                                         weights_only=True), run.name))
+        if start is None:
             return
         wrapped, optimizer = world.wrap(model, optimizer)
         train_set, val_set = self.datasets(config)
@@ -234,11 +221,11 @@ class TorchJob(Job):
         for epoch in range(start, run.epochs):
             if world.size > 1:
                 train.sampler.set_epoch(epoch)
-            metrics = self.epoch(wrapped, optimizer, train, val, world)
+            metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}")
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
                            launcher=run.launcher)
-            check = replicas(world.gather(digest(p.detach().cpu().numpy()
-                                                 for p in model.state_dict().values())))
+            check = replicas(world.gather(replica(p.detach().cpu().numpy()
+                                                  for p in model.state_dict().values())))
             if world.rank == 0:
                 progress(self.name, epoch + 1, run.epochs, metrics)
 
@@ -256,17 +243,17 @@ class TorchJob(Job):
                           shuffle=shuffle and sampler is None, num_workers=self.loader_workers,
                           pin_memory=world.use_gpu, persistent_workers=self.loader_workers > 0)
 
-    def epoch(self, model, optimizer, train, val, world: World) -> dict:
+    def epoch(self, model, optimizer, train, val, world: World, label: str) -> dict:
         timer = PhaseTimer(world.sync)
         sums: dict[str, torch.Tensor] = {}
         model.train()
-        n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer)
+        n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer, label)
         train_s = timer.train_s
         timer.add("allreduce_s", world.take_allreduce_s())
         val_sums: dict[str, torch.Tensor] = {}
         model.eval()
         with timer.phase("validation_s"), torch.no_grad():
-            n_val = self.run_pass(model, val, world, None, None, val_sums, None)
+            n_val = self.run_pass(model, val, world, None, None, val_sums, None, "")
         seconds = timer.done()
         # one all-reduce per epoch: metric sums, sample counts and phase times of every rank
         keys, vkeys = list(sums), list(val_sums)  # the step's order, the same on every rank
@@ -289,11 +276,12 @@ class TorchJob(Job):
         return metrics
 
     def run_pass(self, model, loader, world: World, timer: PhaseTimer | None, phase: str | None,
-                 sums: dict, optimizer) -> int:
-        """One pass over a loader; metric sums stay on the device (no host sync per step)."""
-        seen = 0
+                 sums: dict, optimizer, label: str) -> int:
+        """One pass over a loader; metric sums stay on the device (no host sync per step).
+        Rank 0 shows the training pass's progress in quarters."""
+        seen, every = 0, max(1, len(loader) // 4)
         batches = timer.batches(loader) if timer else loader
-        for batch in batches:
+        for i, batch in enumerate(batches, 1):
             with timer.phase(phase) if timer else contextlib.nullcontext():
                 batch = to_device(batch, world.device)
                 loss, stats = self.step(model, batch)
@@ -304,6 +292,8 @@ class TorchJob(Job):
                 for k, v in stats.items():
                     sums[k] = sums[k] + v.detach() if k in sums else v.detach().double()
             seen += len(batch[0] if isinstance(batch, list | tuple) else batch)
+            if label and world.rank == 0 and i % every == 0 and i < len(loader):
+                self.say(f"{label}: {i}/{len(loader)} iterations")
         return seen
 
     # ---- publishing
@@ -317,11 +307,6 @@ class TorchJob(Job):
         with torch.no_grad():
             reference = model(x).numpy()
         return export_torch(model, x, output), reference
-
-    def say(self, message: str) -> None:
-        from .progress import say
-
-        say(self.name, message)
 
 
 def load_state(model: nn.Module, optimizer, state: dict, name: str) -> None:

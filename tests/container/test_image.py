@@ -138,20 +138,20 @@ def test_horovodrun_allreduce_two_processes(image):
 
 
 def test_autoencoder_tiny_epoch(image, tmp_path):
-    """The job starts its own single-node Ray in the container (no RAY_ADDRESS) and ends with a
-    verified ONNX model and its manifest in the mounted DLC_HOME."""
+    """`--launcher ray` with no cluster: the job starts its own single-node Ray in the container
+    and ends with a verified ONNX model and its manifest in the mounted DLC_HOME."""
     home = tmp_path / "dlcluster"
     home.mkdir()
     home.chmod(0o777)  # the image's user is not root
-    proc = in_image("python", "jobs/ddp_autoencoder.py", "--num-workers", "1", "--limit", "64",
-                    "--batch-size", "16", "--image-size", "40x60", "--epochs", "1",
-                    volumes={home: "/home/dlc/dlcluster"}, timeout=900)
+    proc = in_image("python", "jobs/ddp_autoencoder.py", "--launcher", "ray", "--num-workers", "1",
+                    "--limit", "64", "--batch-size", "16", "--image-size", "40x60", "--epochs", "1",
+                    "--name", "tiny", volumes={home: "/home/dlc/dlcluster"}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    found = re.search(r"ONNX model: (/home/dlc/dlcluster/\S+/model\.onnx)$", proc.stdout, re.M)
-    assert found, proc.stdout[-3000:]
-    model = home / Path(found[1]).relative_to("/home/dlc/dlcluster")
+    record = json.loads((home / "runs" / "tiny" / "published.json").read_text())
+    assert record["model"] == "/home/dlc/dlcluster/models/tiny/model.onnx"
+    model = home / "models" / "tiny" / "model.onnx"
     manifest = json.loads((model.parent / "manifest.json").read_text())
-    assert model.stat().st_size > 0
+    assert model.stat().st_size > 0 and manifest["launcher"] == "ray"
     assert manifest["parity"]["max_abs_diff"] <= 1e-4 and manifest["world_size"] == 1
     assert manifest["git_commit"] != "unknown"  # DLC_GIT_COMMIT, baked in at build time
 

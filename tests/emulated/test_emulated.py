@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -62,26 +63,26 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
 
 
 def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
-    # exactly the README's line, with the env that make cluster-up wrote
+    # the README's line, with the env that make cluster-up wrote (and a run name to find it by)
+    name = f"readme-{int(time.time())}"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
-           "--working-dir", ".", "--", "python", "jobs/ddp_autoencoder.py"]
+           "--working-dir", ".", "--", "python", "jobs/ddp_autoencoder.py", "--name", name]
     proc = subprocess.run(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=1200)
     print(proc.stdout[-5000:])
     assert proc.returncode == 0 and "succeeded" in proc.stdout
-    model = re.search(r"ONNX model: (\S+)", proc.stdout).group(1)
-    manifest_path = re.search(r"manifest: +(\S+)", proc.stdout).group(1)
-    assert model.startswith("/srv/dlcluster/models/")
-    # --num-workers auto: one rank on each node (Ray prefixes lines from other nodes than the
-    # driver's, the head, with their address)
+    # the run's record on the shared storage says where its model went (DLC_STORAGE_PATH/<name>)
+    record = json.loads(emulated.ssh("node-3", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    model, manifest_path = record["model"], record["manifest"]
+    assert model == f"/srv/dlcluster/models/{name}/model.onnx"
     assert "3 worker(s) on CPU" in proc.stdout
-    ips = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", proc.stdout))
-    assert ips == {"172.31.251.12", "172.31.251.13"}, ips
     # the model is on the shared storage: a worker node sees it
     assert emulated.ssh("node-3", "test", "-s", model).returncode == 0
     manifest = json.loads(emulated.ssh("node-2", "cat", manifest_path).stdout)
     assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
     assert manifest["world_size"] == 3
+    # --num-workers auto: one rank on each node, as the ranks themselves reported
+    assert sorted(manifest["replica_hosts"]) == ["node-1", "node-2", "node-3"], manifest["replica_hosts"]
     head = run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
     assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
 

@@ -242,9 +242,6 @@ def test_model_paths_and_payload_from_logs():
         "------------------------------------------",
         "Job 'x' succeeded",
     ])
-    assert smoke.parse_model_paths(logs) == ("/srv/dlcluster/models/smoke-x/model.onnx",
-                                             "/srv/dlcluster/models/smoke-x/manifest.json")
-    assert smoke.parse_model_paths("nothing here") == (None, None)
     assert smoke.parse_payload(logs) == {"a": 2}
     assert smoke.parse_payload("SMOKE_JSON {broken") is None
     assert smoke.parse_payload("") is None
