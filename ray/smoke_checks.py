@@ -258,6 +258,10 @@ def check_model(job: str, model: Path, manifest_path: Path, world_size: int, cle
         problems.append(f"manifest names {m.get('model')!r}, not {model.name} beside it")
     if m.get("job") != job:
         problems.append(f"manifest job {m.get('job')!r} is not {job}")
+    from trainkit.onnx_export import sha256
+
+    if m.get("model_sha256") != sha256(model):
+        problems.append(f"{model.name}'s sha256 is not the manifest's model_sha256")
     diff, tol = parity.get("max_abs_diff"), parity.get("tolerance")
     if not isinstance(diff, int | float) or not isinstance(tol, int | float) or not diff <= tol:
         problems.append(f"parity max_abs_diff {diff} is not within tolerance {tol}")

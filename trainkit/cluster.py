@@ -6,7 +6,9 @@ checks the cluster's totals first and fails fast with one line instead.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import UserError
 
@@ -23,13 +25,16 @@ def connect() -> tuple[dict, int]:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    num_workers: int
+    num_workers: int  # the most workers
     use_gpu: bool
     cpus_per_worker: float
     placement: str = "SPREAD"
+    min_workers: int | None = None  # elastic: the fewest workers the run goes on with
 
     def describe(self) -> str:
-        return f"{self.num_workers} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
+        count = (f"{self.min_workers}-{self.num_workers} (elastic)" if self.min_workers
+                 else str(self.num_workers))
+        return f"{count} worker(s) on {'GPU' if self.use_gpu else 'CPU'}"
 
     def scaling_config(self, train_v1: bool = False):
         """Ray Train's ScalingConfig for this plan (the one place a job's workers are sized)."""
@@ -40,7 +45,8 @@ class WorkerPlan:
             # Train V1 reserves a CPU for the trainer itself unless told not to: on a cluster
             # with exactly one CPU per worker the workers would wait for ever.
             extra["trainer_resources"] = {"CPU": 0}
-        return ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu,
+        workers = (self.min_workers, self.num_workers) if self.min_workers else self.num_workers
+        return ScalingConfig(num_workers=workers, use_gpu=self.use_gpu,
                              placement_strategy=self.placement,
                              resources_per_worker={"CPU": self.cpus_per_worker}, **extra)
 
@@ -55,11 +61,21 @@ def run_config(name: str, storage_path: str, keep: int | None = None, max_failur
                      failure_config=FailureConfig(max_failures=max_failures))
 
 
-def plan_workers(num_workers: int, use_gpu: str, totals: dict, nodes: int,
-                 cpus_per_worker: float = 1.0, placement: str = "SPREAD") -> WorkerPlan:
+def plan_workers(num_workers: int | tuple[int, int], use_gpu: str, totals: dict, nodes: int,
+                 cpus_per_worker: float = 1.0, placement: str = "SPREAD",
+                 elastic: bool = True) -> WorkerPlan:
     """Check `--num-workers`, `--use-gpu auto|true|false` and `--placement` against the cluster.
     `--num-workers auto` (0) trains across the whole cluster: one worker per GPU when GPUs are
-    used, else one per node (as far as the CPUs go)."""
+    used, else one per node (as far as the CPUs go). MIN-MAX (a tuple) is elastic: the cluster
+    must hold MIN now; Ray starts as many as fit, up to MAX, and goes on with fewer after a loss."""
+    if isinstance(num_workers, tuple):
+        least, most = num_workers
+        if not elastic:
+            raise UserError(f"--num-workers {least}-{most}: this trainer cannot change its number "
+                            f"of workers (Ray Train V1); give one count, e.g. --num-workers {most}")
+        plan = plan_workers(least, use_gpu, totals, nodes, cpus_per_worker, placement="SPREAD"
+                            if placement == "STRICT_SPREAD" else placement)
+        return WorkerPlan(most, plan.use_gpu, cpus_per_worker, placement, min_workers=least)
     if num_workers == 0:
         gpus_total = int(totals.get("GPU", 0))
         if use_gpu != "false" and gpus_total > 0:
@@ -102,3 +118,50 @@ def check_batch(batch_size: int, n_train: int, num_workers: int) -> int:
                         f"training set ({share} samples: {n_train} over {num_workers} workers); "
                         f"use --batch-size <= {max(share, 1)}, fewer workers or more data")
     return share
+
+
+def on_this_node(cls, *args):
+    """A Ray actor of `cls` pinned to this (the driver's) node, taking no CPU."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import ray
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=here).remote(*args)
+
+
+def check_storage(storage_path: str, timeout: float = 60) -> None:
+    """The run's storage must be writable here and, on several nodes, the same on every node:
+    else Ray fails late with a long traceback, or checkpoints land on one node's own disk. A
+    marker written here must be seen by a task on every alive node. URIs are Ray's to check."""
+    if "://" in storage_path:
+        return
+    import secrets
+
+    import ray
+
+    root = Path(storage_path)
+    marker = root / f".dlc-shared-{secrets.token_hex(4)}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        marker.write_text("shared\n")
+    except OSError as e:
+        raise UserError(f"--storage-path {storage_path} is not writable ({e.strerror}); give a "
+                        "folder this user can write, on storage every node mounts") from None
+    try:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if len(alive) < 2:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        sees = ray.remote(num_cpus=0)(os.path.exists)
+        probes = {n["NodeManagerAddress"]: sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n["NodeID"], soft=False)).remote(str(marker)) for n in alive}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
+        blind = sorted(ip for ip, ref in probes.items() if ref not in ready or not ray.get(ref))
+        if blind:
+            raise UserError(f"--storage-path {storage_path} is not shared: node(s) {', '.join(blind)} "
+                            "do not see it; use storage every node mounts (the cluster's "
+                            "$DLC_STORAGE_PATH, NFS) or a URI such as s3://bucket/runs")
+    finally:
+        marker.unlink(missing_ok=True)

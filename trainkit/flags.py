@@ -69,14 +69,32 @@ def positive_int(text: str) -> int:
     return n
 
 
-def num_workers(text: str) -> int:
-    """A count, or `auto` (0): one worker per GPU, else one per node."""
+def num_workers(text: str) -> int | tuple[int, int]:
+    """A count; MIN-MAX (elastic: train on as many as the cluster has, at least MIN); or `auto`
+    (0): one worker per GPU, else one per node."""
     if text == "auto":
         return 0
+    low, dash, high = text.partition("-")
     try:
-        return positive_int(text)
+        if not dash:
+            return positive_int(text)
+        least, most = positive_int(low), positive_int(high)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+        raise argparse.ArgumentTypeError(f"{e} (give a count, MIN-MAX or auto)") from None
+    if least > most:
+        raise argparse.ArgumentTypeError(f"{text}: the smaller count comes first, e.g. {most}-{least}")
+    return least if least == most else (least, most)
+
+
+def failures(text: str) -> int:
+    """How many times a lost worker group is restarted; -1: without limit."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more, or -1 for no limit")
+    return n
 
 
 def learning_rate(text: str) -> float:
@@ -124,8 +142,9 @@ def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: floa
     """A job's parser with the shared flags; the job adds its own before parsing."""
     p = Parser(prog=job, description=description, formatter_class=HelpFormatter)
     p.add_argument("--num-workers", type=num_workers, default="auto",
-                   help=f"{worker_help} on Ray; auto: one per GPU, else one per node "
-                        "(under torchrun/horovodrun/TF_CONFIG the launcher decides)")
+                   help=f"{worker_help} on Ray: a count, MIN-MAX (elastic: a run goes on with the "
+                        "nodes that are left, at least MIN), or auto: one per GPU, else one per "
+                        "node (under torchrun/horovodrun/TF_CONFIG the launcher decides)")
     p.add_argument("--batch-size", type=positive_int, default=batch_size, help="batch size per worker")
     p.add_argument("--epochs", type=positive_int, default=epochs,
                    help="epochs in all; a resumed run trains the missing ones")
@@ -146,6 +165,11 @@ def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: floa
     p.add_argument("--output", type=location, default=None,
                    help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> or "
                         "~/dlcluster/models/<name>)")
+    p.add_argument("--max-failures", type=failures, default=3,
+                   help="on Ray: how often a lost worker or node restarts the workers from the "
+                        "latest checkpoint before the run fails; -1: without limit")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=3,
+                   help="checkpoints kept per run (the newest); older ones are deleted")
     p.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
                    help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK "
                         "(on as few as it can), STRICT_SPREAD (one per node; workers <= nodes)")

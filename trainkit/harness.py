@@ -22,8 +22,9 @@ import hashlib
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,8 @@ class Run:
     batch_size: int
     lr: float
     use_gpu: bool
+    keep_checkpoints: int = 3
+    attempts: object = None  # on Ray: the Attempts actor every start of the workers reports to
 
 
 class Job:
@@ -110,10 +113,10 @@ class Job:
     # ---- shared by the frameworks' loops
     def store(self, run: Run, config: dict, world) -> Store:
         """Where this rank saves and restores: Ray Train's checkpoints, or the run's folder."""
-        if run.launcher == "ray":
+        if run.launcher == "ray":  # Ray keeps run.keep_checkpoints (CheckpointConfig)
             return RayStore(self.name, run.name, self.signature(config), world.rank)
         return FolderStore(self.name, run.name, self.signature(config), world.rank,
-                           run.storage_path, world.barrier)
+                           run.storage_path, world.barrier, keep=run.keep_checkpoints)
 
     def resume(self, store: Store, run: Run, world, load: Callable[[Path], None]) -> int | None:
         """Restore the run's latest checkpoint with `load(folder)`: the epoch to go on from, or
@@ -125,12 +128,19 @@ class Job:
                 start = last.epoch
                 if world.rank == 0:
                     self.say(f"resuming after epoch {start} from {last.where}")
+        if world.rank == 0 and run.attempts is not None:
+            run.attempts.start.remote(start, world.size, time.time())
         if start < run.epochs:
             return start
         if world.rank == 0:
             self.say(f"run already trained {start} epoch(s); publishing its latest checkpoint "
                      "(raise --epochs to train on)")
         return None
+
+    def stepped(self, run: Run, world) -> None:
+        """The loops call this after each start's first training step (rank 0 tells Attempts)."""
+        if world.rank == 0 and run.attempts is not None:
+            run.attempts.first_step.remote(time.time())
 
     def say(self, message: str) -> None:
         say(self.name, message)
@@ -157,9 +167,35 @@ def main(job: Job, argv: list[str] | None = None) -> Published | None:
     return alone(job, args, launcher)
 
 
-def make_run(job: Job, args: argparse.Namespace, launcher: str, use_gpu: bool) -> Run:
+def make_run(job: Job, args: argparse.Namespace, launcher: str, use_gpu: bool, attempts=None) -> Run:
     return Run(job.name, args.name, launcher, args.storage_path, args.output, args.epochs,
-               args.batch_size, args.lr, use_gpu)
+               args.batch_size, args.lr, use_gpu, args.keep_checkpoints, attempts)
+
+
+class Attempts:
+    """Every start of a run's workers on Ray, as rank 0 saw it: the epoch it resumed after, the
+    number of workers, when its first training step ended. A Ray actor pinned to the driver's
+    node, so it outlives lost workers (Ray Train 2.60 tells the workers nothing of restarts)."""
+
+    def __init__(self):
+        self.starts: list[dict] = []
+
+    def start(self, epoch: int, world_size: int, at: float) -> None:
+        self.starts.append({"resumed_after_epoch": epoch, "world_size": world_size, "started_at": at})
+
+    def first_step(self, at: float) -> None:
+        if self.starts and "first_step_at" not in self.starts[-1]:
+            self.starts[-1]["first_step_at"] = at
+
+    def all(self) -> list[dict]:
+        return self.starts
+
+
+def restarts(starts: list[dict]) -> dict:
+    """The manifest's account of restarts: how many, and after which epoch each resumed."""
+    again = starts[1:]
+    return {"count": len(again), "resumed_after_epochs": [s["resumed_after_epoch"] for s in again],
+            "attempts": starts}
 
 
 # ------------------------------------------------------------------ on Ray
@@ -167,22 +203,33 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
     flags.resolve(args, job.name)
     trainer_class = ray_trainer(job.trainer)  # before anything imports Ray Train
     config = job.prepare(args)
-    plan = cluster.plan_workers(args.num_workers, args.use_gpu, *cluster.connect(),
-                                placement=args.placement)
+    totals, nodes = cluster.connect()
+    plan = cluster.plan_workers(args.num_workers, args.use_gpu, totals, nodes,
+                                placement=args.placement, elastic=job.trainer != "horovod")
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
-    run_ = make_run(job, args, "ray", plan.use_gpu)
+    cluster.check_storage(args.storage_path)
+    attempts = cluster.on_this_node(Attempts)
+    run_ = make_run(job, args, "ray", plan.use_gpu, attempts)
     say(job.name, f"run {run_.name}: {job.describe(config)}; {plan.describe()}, batch "
                   f"{run_.batch_size} per worker, {run_.epochs} epoch(s); storage {run_.storage_path}")
     trainer = trainer_class(
         ray_worker, train_loop_config={"job": job, "run": run_, "config": config},
         scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
-        run_config=cluster.run_config(run_.name, run_.storage_path),
+        run_config=cluster.run_config(run_.name, run_.storage_path, keep=args.keep_checkpoints,
+                                      max_failures=args.max_failures),
     )
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"run {run_.name} finished without a checkpoint")
+    import ray
+
+    again = restarts(ray.get(attempts.all.remote()))
     with result.checkpoint.as_directory() as d:
-        return publish(job, run_, config, Path(d), result.checkpoint.path, plan.num_workers)
+        published = publish(job, run_, config, Path(d), result.checkpoint.path, again)
+    say(job.name, f"run {run_.name}: {again['count']} restart(s)" + (
+        f", resumed after epoch(s) {', '.join(map(str, again['resumed_after_epochs']))}"
+        if again["count"] else ""))
+    return published
 
 
 def ray_worker(loop_config: dict) -> None:
@@ -227,17 +274,20 @@ def alone(job: Job, args: argparse.Namespace, launcher: str) -> Published | None
         job.fit(run_, config, world)
         if world.rank != 0:
             return None
-        store = FolderStore(job.name, run_.name, job.signature(config), 0, run_.storage_path, world.barrier)
+        store = job.store(run_, config, world)
         with store.latest() as last:
-            return publish(job, run_, config, last.folder, last.where, world.size)
+            # torchrun restarts its processes itself (--max-restarts) and says how often
+            count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            return publish(job, run_, config, last.folder, last.where, {"count": count})
     finally:
         world.shutdown()
 
 
 # ------------------------------------------------------------------ publishing
-def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, world_size: int) -> Published:
+def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: dict) -> Published:
     """The final checkpoint -> a verified ONNX model + manifest in run.output."""
     meta = read_meta(folder)
+    world_size = meta["metrics"]["world_size"]  # after an elastic restart: the last epoch's
     inputs = job.held_out(config)
     output = Path(run_.output)
     staged, reference = job.export(folder, config, inputs, output)
@@ -245,7 +295,9 @@ def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, world_s
         staged, output, job=job.name, framework=job.framework, inputs=inputs, reference=reference,
         metrics=meta["metrics"], world_size=world_size, packages=job.packages,
         extra={"launcher": run_.launcher, **job.manifest(config, run_), **meta.get("replicas", {}),
-               "run": {**asdict(run_), "checkpoint": where, "epochs_trained": meta["epoch"],
+               "restarts": again,
+               "run": {**{f.name: getattr(run_, f.name) for f in fields(run_) if f.name != "attempts"},
+                       "checkpoint": where, "epochs_trained": meta["epoch"],
                        "signature": meta.get("signature", {}), "data": job.describe(config)}},
         record_dir=None if "://" in run_.storage_path else Path(run_.storage_path) / run_.name,
     )

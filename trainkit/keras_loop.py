@@ -167,6 +167,7 @@ class EpochReport(_Callback):
     def __init__(self, job: KerasJob, run: Run, world: World, store, samples: int):
         super().__init__()
         self.job, self.run, self.world, self.store, self.samples = job, run, world, store, samples
+        self.stepped = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.t0 = time.perf_counter()
@@ -178,6 +179,9 @@ class EpochReport(_Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.processing += time.perf_counter() - self.b0
+        if not self.stepped:
+            self.stepped = True
+            self.job.stepped(self.run, self.world)
 
     def on_test_begin(self, logs=None):
         self.val_t0 = time.perf_counter()

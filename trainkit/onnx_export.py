@@ -1,16 +1,18 @@
 """Export a trained model to ONNX, check it in onnxruntime against the framework, write a manifest.
 
-Every job ends here: `export_torch` / `export_keras` write `<output>/model.onnx` (one file, dynamic
-batch axis), then `verify_and_publish` runs the held-out batch through onnxruntime, fails above
-the tolerance, and only then replaces any earlier model.onnx + manifest.json in `<output>`.
+Every job ends here: `export_torch` / `export_keras` stage the model (one file, dynamic batch
+axis), then `verify_and_publish` runs the held-out batch through onnxruntime, fails above the
+tolerance, and only then publishes the model and its manifest as one pair (atomically: see there).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 from dataclasses import dataclass
 from importlib import metadata
@@ -24,6 +26,9 @@ TOLERANCE = 1e-4
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 RECORD_FILE = "published.json"  # in the run's folder: where its model was published
+PUBLICATIONS = "publications"  # <output>/publications/<stamp>/{model.onnx,manifest.json}
+CURRENT = "current"  # <output>/current -> publications/<stamp>: switched by one rename
+KEEP_PUBLICATIONS = 3
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -164,8 +169,15 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
                        world_size: int, packages: tuple[str, ...] = (),
                        extra: dict | None = None, tolerance: float = TOLERANCE,
                        record_dir: Path | None = None) -> Published:
-    """Check the staged model; on success move it to <output>/model.onnx and write the manifest
-    (and, given `record_dir`, the run's record of where it was published).
+    """Check the staged model; on success publish it with its manifest (and, given `record_dir`,
+    the run's record of where it went).
+
+    Publishing is atomic: the pair is written whole into its own folder
+    `<output>/publications/<stamp>/`, then `<output>/current` is switched to it by one rename;
+    `<output>/model.onnx` and `<output>/manifest.json` are links through `current`. A reader that
+    resolves `current` once sees the old pair or the new one, never a mix. A failure before the
+    switch (a full disk, a crash) leaves the previous publication current. The manifest records
+    the model's sha256. The newest KEEP_PUBLICATIONS stay.
 
     On a parity failure the staged file is kept as model.rejected.onnx for inspection, the
     published model (if any) is left as it was, and a UserError says what happened.
@@ -177,11 +189,12 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         staged.replace(rejected)
         raise UserError(f"ONNX check failed: {e}; the rejected model is {rejected}, "
                         f"the earlier {output / MODEL_FILE} (if any) is untouched") from None
-    model_path = output / MODEL_FILE
+    now = _dt.datetime.now(_dt.UTC)
     manifest = {
         "job": job,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "created": now.isoformat(timespec="seconds"),
         "model": MODEL_FILE,
+        "model_sha256": sha256(staged),
         "framework": framework,
         "versions": _versions([framework, *packages, "onnx", "onnxruntime", "ray"]),
         **onnx_io(staged),
@@ -191,19 +204,60 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         "git_commit": git_commit(),
         **(extra or {}),
     }
-    staged.replace(model_path)
-    manifest_path = output / MANIFEST_FILE
-    _write_json(manifest_path, manifest)
-    result = Published(model_path, manifest_path, manifest)
+    folder = output / PUBLICATIONS / f"{now:%Y%m%d-%H%M%S-%f}"
+    try:
+        folder.mkdir(parents=True)
+        staged.replace(folder / MODEL_FILE)
+        _write_json(folder / MANIFEST_FILE, manifest, sync=True)
+        _link(output / CURRENT, Path(PUBLICATIONS) / folder.name)  # the switch
+        for name in (MODEL_FILE, MANIFEST_FILE):
+            if not (output / name).is_symlink():
+                _link(output / name, Path(CURRENT) / name)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        staged.unlink(missing_ok=True)
+        raise UserError(f"could not publish the model in {output} ({e.strerror or e}); the "
+                        f"previous publication there (if any) is still current; free space "
+                        "or give another --output, then rerun with the same --name") from None
+    for old in sorted((output / PUBLICATIONS).iterdir())[:-KEEP_PUBLICATIONS]:
+        shutil.rmtree(old, ignore_errors=True)
+    result = Published(folder / MODEL_FILE, folder / MANIFEST_FILE, manifest)
     if record_dir is not None:
         _write_json(record_dir / RECORD_FILE, result.record())
     return result
 
 
-def _write_json(path: Path, data: dict) -> None:
+def current(output: Path) -> Published:
+    """The pair published last in `output`, read through one resolution of `current`."""
+    folder = (output / CURRENT).resolve()
+    return Published(folder / MODEL_FILE, folder / MANIFEST_FILE,
+                     json.loads((folder / MANIFEST_FILE).read_text()))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _link(path: Path, target: Path) -> None:
+    """Point the symlink `path` at `target` in one rename (replacing a file of an older layout)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict, sync: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    with tmp.open("w") as f:
+        f.write(json.dumps(data, indent=2, default=_jsonable) + "\n")
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     tmp.replace(path)
 
 

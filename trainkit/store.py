@@ -113,11 +113,12 @@ class RayStore(Store):
 
 class FolderStore(Store):
     """`<storage>/<name>/checkpoint_<epoch>/`, written to a hidden folder and renamed into place,
-    so a crash mid-save leaves the previous checkpoint as the latest."""
+    so a crash mid-save leaves the previous checkpoint as the latest; only the newest `keep` stay."""
 
     def __init__(self, job: str, name: str, signature: dict, rank: int, storage_path: str,
-                 barrier: Callable[[], None]):
+                 barrier: Callable[[], None], keep: int | None = None):
         super().__init__(job, name, signature, rank)
+        self.keep = keep
         if "://" in storage_path:
             raise UserError(f"--storage-path {storage_path} is a URI, which only the Ray launcher "
                             "writes to; give a folder every rank sees, or run on Ray")
@@ -149,4 +150,6 @@ class FolderStore(Store):
                 os.replace(tmp, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+            for old in self.checkpoints()[: -self.keep] if self.keep else []:
+                shutil.rmtree(old, ignore_errors=True)
         self.barrier()  # no rank starts the next epoch before the checkpoint is in place

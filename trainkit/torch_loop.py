@@ -215,13 +215,15 @@ class TorchJob(Job):
         if start is None:
             return
         wrapped, optimizer = world.wrap(model, optimizer)
+        first_step = _once(lambda: self.stepped(run, world))
         train_set, val_set = self.datasets(config)
         train = self.loader(train_set, run.batch_size, world, shuffle=True)
         val = self.loader(val_set, run.batch_size, world, shuffle=False)
         for epoch in range(start, run.epochs):
             if world.size > 1:
                 train.sampler.set_epoch(epoch)
-            metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}")
+            metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
+                                 first_step)
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
                            launcher=run.launcher)
             check = replicas(world.gather(replica(p.detach().cpu().numpy()
@@ -243,17 +245,18 @@ class TorchJob(Job):
                           shuffle=shuffle and sampler is None, num_workers=self.loader_workers,
                           pin_memory=world.use_gpu, persistent_workers=self.loader_workers > 0)
 
-    def epoch(self, model, optimizer, train, val, world: World, label: str) -> dict:
+    def epoch(self, model, optimizer, train, val, world: World, label: str, first_step) -> dict:
         timer = PhaseTimer(world.sync)
         sums: dict[str, torch.Tensor] = {}
         model.train()
-        n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer, label)
+        n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer, label,
+                                first_step)
         train_s = timer.train_s
         timer.add("allreduce_s", world.take_allreduce_s())
         val_sums: dict[str, torch.Tensor] = {}
         model.eval()
         with timer.phase("validation_s"), torch.no_grad():
-            n_val = self.run_pass(model, val, world, None, None, val_sums, None, "")
+            n_val = self.run_pass(model, val, world, None, None, val_sums, None, "", None)
         seconds = timer.done()
         # one all-reduce per epoch: metric sums, sample counts and phase times of every rank
         keys, vkeys = list(sums), list(val_sums)  # the step's order, the same on every rank
@@ -276,7 +279,7 @@ class TorchJob(Job):
         return metrics
 
     def run_pass(self, model, loader, world: World, timer: PhaseTimer | None, phase: str | None,
-                 sums: dict, optimizer, label: str) -> int:
+                 sums: dict, optimizer, label: str, first_step) -> int:
         """One pass over a loader; metric sums stay on the device (no host sync per step).
         Rank 0 shows the training pass's progress in quarters."""
         seen, every = 0, max(1, len(loader) // 4)
@@ -291,6 +294,8 @@ class TorchJob(Job):
                     world.step(optimizer, timer)
                 for k, v in stats.items():
                     sums[k] = sums[k] + v.detach() if k in sums else v.detach().double()
+            if i == 1 and first_step is not None:
+                first_step()
             seen += len(batch[0] if isinstance(batch, list | tuple) else batch)
             if label and world.rank == 0 and i % every == 0 and i < len(loader):
                 self.say(f"{label}: {i}/{len(loader)} iterations")
@@ -325,3 +330,13 @@ def to_device(batch, device: torch.device):
         return type(batch)(b.to(device, non_blocking=True) for b in batch)
     return batch.to(device, non_blocking=True)
 
+
+
+def _once(fn):
+    done = []
+
+    def call():
+        if not done:
+            done.append(fn())
+
+    return call

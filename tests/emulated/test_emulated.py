@@ -87,6 +87,63 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
 
 
+def submit(emulated, *args: str, background: bool = False):
+    """The README's `ray job submit` through the tunnel, with the job's flags."""
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
+           "--working-dir", ".", "--", "python", "jobs/ddp_autoencoder.py", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if background:
+        return proc
+    out = proc.communicate(timeout=1200)[0]
+    print(out[-5000:])
+    assert proc.returncode == 0 and "succeeded" in out, out[-3000:]
+    return out
+
+
+def published(emulated, name: str) -> dict:
+    record = json.loads(emulated.ssh("node-2", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    return json.loads(emulated.ssh("node-2", "cat", record["manifest"]).stdout)
+
+
+def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
+    """`docker kill` a worker node mid-epoch 2 of an elastic run: the run finishes on the two nodes
+    left, from epoch 1's checkpoint; the node comes back and its Ray rejoins by itself."""
+    name = f"killed-{int(time.time())}"
+    proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", "3", "--limit", "1500",
+                  "--image-size", "60x80", "--batch-size", "16", background=True)
+    deadline = time.time() + 600
+    while emulated.ssh("node-1", "sh", "-c", f"ls -d /srv/dlcluster/runs/{name}/checkpoint_*").returncode:
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint of epoch 1"
+        time.sleep(1)
+    docker = "/usr/bin/docker"
+    run([docker, "kill", "dlc-emu-node-3"], emulated.env, check=True)
+    killed_at = time.time()
+    try:
+        out = proc.communicate(timeout=1200)[0]
+        print(out[-5000:])
+        assert proc.returncode == 0 and "succeeded" in out, out[-3000:]
+        m = published(emulated, name)
+        assert m["restarts"]["count"] >= 1 and m["restarts"]["resumed_after_epochs"][0] >= 1
+        assert m["world_size"] == 2 and "node-3" not in m["replica_hosts"]
+        assert m["metrics"]["epoch"] == 3 and m["parity"]["max_abs_diff"] <= 1e-4
+        first = m["restarts"]["attempts"][1]["first_step_at"]
+        print(f"recovery after docker kill: {first - killed_at:.1f} s to the first step on 2 nodes")
+    finally:
+        run([docker, "start", "dlc-emu-node-3"], emulated.env, check=True)
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+
+def test_after_the_heads_ray_restarts_the_workers_rejoin_and_a_new_job_trains(emulated):
+    emulated.ssh("node-1", "sudo", "systemctl", "restart", "dlc-ray", timeout=180)
+    # the workers lose the head's GCS, their dlc-ray restarts until they find the new one
+    assert sorted(emulated.wait_for_nodes(3, timeout=300)) == sorted(NODES.values())
+    name = f"after-head-{int(time.time())}"
+    submit(emulated, "--name", name, "--limit", "600", "--image-size", "40x60", "--batch-size", "16")
+    m = published(emulated, name)
+    assert m["world_size"] == 3 and m["restarts"]["count"] == 0
+
+
 def test_smoke_passes_across_the_cluster(emulated, tmp_path):
     report = tmp_path / "smoke.json"
     proc = run(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"], emulated.env,

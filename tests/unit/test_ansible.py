@@ -155,3 +155,25 @@ node-1                     : ok=20   changed=5    unreachable=0    failed=0
 node-2                     : ok=9    changed=0    unreachable=0    failed=1
 """
     assert ansible_failure.changed_hosts(log) == {"node-1": 5}
+
+
+def test_ray_unit_requires_the_shared_storage_mount():
+    """The dlc-ray unit, rendered for a docker-runtime worker with NFS storage: systemd starts
+    Ray only once the storage is mounted, and the container gets the same path."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/ray/templates"),
+                             undefined=jinja2.StrictUndefined)
+    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
+    env.filters["bool"] = bool
+    unit = env.get_template("dlc-ray.service.j2").render(
+        ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
+        dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", ray_firewall=True,
+        dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
+        dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray", ray_home="/var/lib/ray",
+        dlc_image="dlcluster:gpu", ray_start_args=["--address=10.0.0.1:6379"])
+    lines = unit.splitlines()
+    assert "RequiresMountsFor=/srv/data" in lines
+    assert any(line.startswith("After=") and "srv-data.mount" in line for line in lines)
+    start = next(line for line in lines if line.startswith("ExecStart=/usr/bin/docker run"))
+    assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start

@@ -1,6 +1,10 @@
 """The tutorial's autoencoder and its ONNX export, without a cluster."""
 
+import hashlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from trainkit.onnx_export import (
     MODEL_FILE,
     ParityError,
     check_parity,
+    current,
     export_torch,
     verify_and_publish,
 )
@@ -67,7 +72,9 @@ def test_publish_writes_model_and_manifest(tmp_path):
         metrics={"loss": 0.5}, world_size=2, record_dir=tmp_path / "run")
     model_path, manifest_path, manifest = published.model, published.manifest_path, published.manifest
     assert published_model(tmp_path / "run") == published  # the run's record finds it again
-    assert model_path == tmp_path / MODEL_FILE and model_path.exists() and not staged.exists()
+    assert model_path.parent.parent == tmp_path / "publications" and not staged.exists()
+    assert (tmp_path / MODEL_FILE).resolve() == model_path.resolve()  # the links go through current
+    assert (tmp_path / MANIFEST_FILE).resolve() == manifest_path.resolve()
     on_disk = json.loads(manifest_path.read_text())
     assert on_disk == json.loads(json.dumps(manifest))
     assert on_disk["inputs"][0]["shape"] == ["batch", 3, 120, 160]
@@ -77,6 +84,62 @@ def test_publish_writes_model_and_manifest(tmp_path):
     assert on_disk["world_size"] == 2 and on_disk["metrics"] == {"loss": 0.5}
     assert on_disk["parity"]["max_abs_diff"] <= on_disk["parity"]["tolerance"] == 1e-4
     assert on_disk["git_commit"]
+    assert on_disk["model_sha256"] == hashlib.sha256(model_path.read_bytes()).hexdigest()
+
+
+def test_publishing_switches_whole_pairs(tmp_path):
+    staged, x, ref = _export(tmp_path)
+    first = verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x,
+                               reference=ref, metrics={"n": 1}, world_size=1)
+    staged, x, ref = _export(tmp_path)
+    second = verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x,
+                                reference=ref, metrics={"n": 2}, world_size=1)
+    now = current(tmp_path)
+    assert now.manifest["metrics"] == {"n": 2} and now.model == second.model
+    assert json.loads((tmp_path / MANIFEST_FILE).read_text())["metrics"] == {"n": 2}
+    # the earlier pair is still whole in its own folder
+    assert json.loads(first.manifest_path.read_text())["metrics"] == {"n": 1}
+    assert first.manifest["model_sha256"] == hashlib.sha256(first.model.read_bytes()).hexdigest()
+    for _ in range(4):
+        staged, x, ref = _export(tmp_path)
+        verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x, reference=ref,
+                           metrics={}, world_size=1)
+    assert len(list((tmp_path / "publications").iterdir())) == 3  # the newest three stay
+
+
+FULL_DISK = """
+import resource, signal, sys
+sys.path[:0] = [{tests!r}, "jobs"]
+from test_autoencoder import _export
+from pathlib import Path
+from trainkit.errors import UserError
+from trainkit.onnx_export import verify_and_publish
+out = Path({out!r})
+staged, x, ref = _export(out)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))  # the manifest no longer fits
+try:
+    verify_and_publish(staged, out, job="t", framework="torch", inputs=x, reference=ref,
+                       metrics={{"n": 2}}, world_size=1)
+except UserError as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def test_a_full_disk_mid_publish_keeps_the_previous_model(tmp_path):
+    staged, x, ref = _export(tmp_path)
+    verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x, reference=ref,
+                       metrics={"n": 1}, world_size=1)
+    before = (tmp_path / MODEL_FILE).read_bytes(), (tmp_path / MANIFEST_FILE).read_bytes()
+    code = FULL_DISK.format(tests=str(Path(__file__).parent), out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"could not publish the model in {tmp_path} (File too large); "
+                                  "the previous publication there (if any) is still current")
+    assert ((tmp_path / MODEL_FILE).read_bytes(), (tmp_path / MANIFEST_FILE).read_bytes()) == before
+    assert len(list((tmp_path / "publications").iterdir())) == 1  # the broken one is gone
 
 
 def test_failed_parity_keeps_the_published_model(tmp_path):

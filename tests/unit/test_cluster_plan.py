@@ -49,3 +49,13 @@ def test_auto_workers_train_across_the_whole_cluster():
     gpu = plan_workers(0, "auto", {"CPU": 48, "GPU": 8}, nodes=2)
     assert (gpu.num_workers, gpu.use_gpu) == (8, True)
     assert plan_workers(0, "false", {"CPU": 48, "GPU": 8}, nodes=2).num_workers == 2
+
+
+def test_elastic_workers_need_room_for_the_fewest():
+    plan = plan_workers((1, 3), "false", {"CPU": 2}, nodes=2)
+    assert (plan.min_workers, plan.num_workers) == (1, 3)
+    assert plan.describe() == "1-3 (elastic) worker(s) on CPU"
+    with pytest.raises(UserError, match="--num-workers 4 needs 4 CPUs"):
+        plan_workers((4, 6), "false", {"CPU": 2}, nodes=2)
+    with pytest.raises(UserError, match=r"cannot change its number of workers \(Ray Train V1\)"):
+        plan_workers((1, 2), "false", {"CPU": 2}, nodes=2, elastic=False)

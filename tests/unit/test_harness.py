@@ -30,7 +30,7 @@ BAD_FLAGS = [
     (["--epochs", "0"], "--epochs: 0 must be at least 1"),
     (["--epochs", "two"], "--epochs: 'two' is not a whole number"),
     (["--batch-size", "-4"], "--batch-size: -4 must be at least 1"),
-    (["--num-workers", "0"], "--num-workers: 0 must be at least 1 (or auto)"),
+    (["--num-workers", "0"], "--num-workers: 0 must be at least 1 (give a count, MIN-MAX or auto)"),
     (["--lr", "nan"], "--lr: nan must be a finite number above 0"),
     (["--lr", "0"], "--lr: 0 must be a finite number above 0"),
     (["--lr", "inf"], "--lr: inf must be a finite number above 0"),
@@ -40,6 +40,10 @@ BAD_FLAGS = [
     (["--launcher", "horovodrun"], "--launcher: invalid choice: 'horovodrun'"),
     (["--use-gpu", "maybe"], "--use-gpu: invalid choice: 'maybe'"),
     (["--limit", "0"], "--limit: 0 must be at least 1"),
+    (["--num-workers", "3-1"], "--num-workers: 3-1: the smaller count comes first, e.g. 1-3"),
+    (["--num-workers", "1-x"], "--num-workers: 'x' is not a whole number (give a count, MIN-MAX or auto)"),
+    (["--max-failures", "-2"], "--max-failures: -2 must be 0 or more, or -1 for no limit"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints: 0 must be at least 1"),
 ]
 
 

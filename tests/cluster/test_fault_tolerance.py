@@ -1,0 +1,131 @@
+"""Real failures mid-run: a worker node's processes killed, single Ray Train workers killed. Each
+run must finish, resume from its latest checkpoint (not from scratch) and publish a verified model
+whose manifest counts the restarts. The recovery time (failure -> first step after it) is printed."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import read_manifest, start_cluster
+
+
+def wait_for(what, predicate, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout:.0f} s")
+
+
+class Running:
+    """A `ray job submit` in the background whose output is read as it comes."""
+
+    def __init__(self, cluster, job: str, *args: str):
+        cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
+               f"http://127.0.0.1:{cluster.dashboard_port}", "--working-dir", ".", "--",
+               "python", f"jobs/{job}.py", *args]
+        self.proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2],
+                                     env=cluster.client_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, text: str, timeout: float = 600) -> None:
+        """Until a line holds `text` (e.g. epoch 2's progress: epoch 1's checkpoint is committed)."""
+        wait_for(repr(text), lambda: any(text in line for line in self.lines)
+                 or self.proc.poll() is not None, timeout)
+        assert any(text in line for line in self.lines), "".join(self.lines[-40:])
+
+    def finish(self, timeout: float = 900) -> str:
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=30)
+        out = "".join(self.lines)
+        print(out[-6000:])
+        assert self.proc.returncode == 0, out[-4000:]
+        return out
+
+
+def kill(pids) -> float:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return time.time()
+
+
+def check_recovered(out_dir: Path, killed_at: float, last_epoch: int) -> dict:
+    m = read_manifest(out_dir)
+    r = m["restarts"]
+    assert r["count"] >= 1 and r["resumed_after_epochs"][0] >= 1  # from a checkpoint, not scratch
+    assert m["metrics"]["epoch"] == last_epoch and m["parity"]["max_abs_diff"] <= 1e-4
+    restart = r["attempts"][1]
+    recovery = restart["first_step_at"] - killed_at
+    print(f"recovery: {recovery:.1f} s from the failure to the first training step after it "
+          f"(resumed after epoch {restart['resumed_after_epoch']}, {restart['world_size']} worker(s))")
+    assert recovery > 0
+    return m
+
+
+@pytest.fixture(scope="module")
+def doomed(tmp_path_factory):
+    """A cluster of its own: one of its nodes is killed."""
+    c = start_cluster(tmp_path_factory.mktemp("dlc-config-doomed"), 6394, 8294, nodes=2)
+    yield c
+    c.script("down", check=False)
+
+
+def test_a_lost_node_costs_a_restart_not_the_run(doomed, tmp_path):
+    """Elastic: --num-workers 1-2 starts on both nodes; node1's raylet and everything under it is
+    killed mid-epoch 2; the run goes on with the node that is left, from epoch 1's checkpoint."""
+    import json
+
+    storage, out = tmp_path / "runs", tmp_path / "model"
+    job = Running(doomed, "ddp_autoencoder", "--num-workers", "1-2", "--epochs", "3", "--limit",
+                  "1600", "--image-size", "60x80", "--batch-size", "16", "--name", "lost-node",
+                  "--storage-path", str(storage), "--output", str(out), "--max-failures", "3")
+    job.wait_for("epoch 2/3: ")
+    temp_root = json.loads((doomed.config / "local-cluster.json").read_text())["temp_root"]
+    node = node_pids(f"{temp_root}/node1")
+    assert node, "node1 has no processes"
+    killed_at = kill(node)
+    out_text = job.finish()
+    m = check_recovered(out, killed_at, last_epoch=3)
+    assert m["world_size"] == 1 and m["restarts"]["attempts"][0]["world_size"] == 2
+    assert "restart(s), resumed after epoch(s)" in out_text
+
+
+def node_pids(temp_dir: str) -> set[int]:
+    """A local node's processes: those naming its temp dir (raylet, agents) and their children."""
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if any(temp_dir in part for part in (p.info["cmdline"] or []))]
+    return {q.pid for p in roots for q in [p, *p.children(recursive=True)]}
+
+
+def ray_train_workers() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
+
+
+@pytest.mark.parametrize("job,args", [
+    ("horovod_mnist", ["--batch-size", "16", "--epochs", "3"]),
+    ("tf_cnn", ["--per-class", "96", "--batch-size", "4", "--epochs", "3"]),
+])
+def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, args):
+    running = Running(cluster, job, *args, "--num-workers", "2", "--name", "killed",
+                      "--storage-path", str(tmp_path / "runs"), "--output", str(tmp_path / "model"))
+    running.wait_for("epoch 2/3: ")  # epoch 1's checkpoint is committed
+    workers = ray_train_workers()
+    assert workers, "no Ray Train worker process found"
+    killed_at = kill(workers[-1:])
+    running.finish()
+    m = check_recovered(tmp_path / "model", killed_at, last_epoch=3)
+    assert m["world_size"] == 2 and m["replicas_in_sync"] is True
