@@ -73,8 +73,8 @@ lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, the three trainers, ProxyJump
 	@$(PY) ray/smoke.py $(SMOKE_ARGS)
 
-bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the running cluster
-	@. $(DLC_CONFIG)/ray-client.env && $(PY) tests/bench/bench_autoencoder.py $(ARGS)
+bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the current cluster (its record)
+	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench_autoencoder.py $(ARGS)
 
 clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
 	rm -f $(VENV)

@@ -4,16 +4,16 @@
     python ray/local_cluster.py status
     python ray/local_cluster.py down
 
-Each node has its own temp dir (and so its own sockets, logs and object store); everything
-listens on 127.0.0.1 only, and Ray's token auth is on: the token lives in
-$DLC_CONFIG/ray_token (mode 0600, outside git) and $DLC_CONFIG/ray-client.env exports what a
-client needs. `down` stops only the processes this cluster started (found by its temp dirs),
-never other Ray clusters on the host (`ray stop` would kill them all).
+Each node has its own temp dir (and so its own sockets, logs and object store; 0700); the
+dashboard and job API listen on 127.0.0.1 only, and Ray's token auth is on: the token lives in
+$DLC_CONFIG/clusters/local/ray_token (mode 0600, outside git). `down` stops only the processes
+this cluster started (found by its temp dirs), never other Ray clusters on the host (`ray stop`
+would kill them all).
 
-`up` also writes the cluster description $DLC_CONFIG/cluster.json that `make smoke` reads (schema:
-ray/smoke.py, DESCRIPTION_SCHEMA): kind "local", ip null for every node (Ray shows the host's
-address for all of them), no ssh_config or bastion. `down` removes it only when it describes
-this local cluster.
+`up` writes the cluster record (trainkit/record.py) to $DLC_CONFIG/clusters/local/ and makes it
+current ($DLC_CONFIG/cluster.json, ray-client.env): kind "local", ip null for every node (Ray
+shows the host's address for all of them), no ssh_config or bastion. `down` removes the current
+record only when it is this local cluster's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG = Path(os.environ.get("DLC_CONFIG", "~/.config/dlcluster")).expanduser()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # trainkit: ray/ is a folder of scripts
+from trainkit import record  # noqa: E402
+
+CONFIG = record.config_dir()
+LOCAL = CONFIG / "clusters" / "local"  # laid out like every other cluster's folder
 RAY = str(Path(sys.executable).parent / "ray")
 HOST = "127.0.0.1"
 
@@ -40,55 +44,45 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def client_env() -> dict[str, str]:
-    """What a client needs, also written to $DLC_CONFIG/ray-client.env for `source`:
-    RAY_AUTH_MODE=token and the token file (made once, mode 0600), and Ray's default working-dir
-    excludes less `.git`, so a job's manifest can record the commit it was trained from."""
-    CONFIG.mkdir(parents=True, exist_ok=True)
-    token = CONFIG / "ray_token"
-    if not token.exists():
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def token() -> Path:
+    """The cluster's Ray token: made once (mode 0600) in its private folder, never printed."""
+    LOCAL.mkdir(parents=True, exist_ok=True)
+    LOCAL.chmod(0o700)
+    path = LOCAL / "ray_token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ".venv,.venv-ansible,venv,__pycache__"}
-    (CONFIG / "ray-client.env").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
-    return env
+    path.chmod(0o600)
+    return path
 
 
 def state_file() -> Path:
-    return CONFIG / "local-cluster.json"
+    """What `up` started (kept before anything starts, so `down` cleans up a failed start)."""
+    old = CONFIG / "local-cluster.json"  # where clusters started before clusters/local/ keep it
+    return old if old.exists() else LOCAL / "state.json"
 
 
-def description_file() -> Path:
-    return CONFIG / "cluster.json"
-
-
-def description(st: dict) -> dict:
-    """The cluster description of the local cluster recorded in `st` (the state file's content)."""
-    nodes = [{"name": "head" if i == 0 else f"node{i}", "ip": None,
-              "role": "head" if i == 0 else "worker", "cpus": st["cpus_per_node"], "gpus": 0}
+def the_record(st: dict) -> record.ClusterRecord:
+    """The record of the local cluster in `st` (the state file's content)."""
+    nodes = [record.Node(name="head" if i == 0 else f"node{i}", ip=None,
+                         role="head" if i == 0 else "worker", cpus=st["cpus_per_node"], gpus=0)
              for i in range(st["nodes"])]
-    return {"name": "local", "kind": "local", "job_api": st["dashboard"],
-            "token_path": str(CONFIG / "ray_token"), "nodes": nodes,
-            "ssh_config": None, "bastion": None, "storage": None}
+    return record.ClusterRecord(name="local", kind="local", job_api=st["dashboard"],
+                                token_path=str(token()), nodes=nodes)
 
 
-def write_description(st: dict) -> None:
-    tmp = description_file().with_suffix(".json.new")
-    tmp.write_text(json.dumps(description(st), indent=2) + "\n")
-    tmp.replace(description_file())
-
-
-def remove_description(st: dict) -> None:
-    """Remove cluster.json if it describes this local cluster (not one an Ansible run wrote)."""
-    try:
-        desc = json.loads(description_file().read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(desc, dict) and desc.get("kind") == "local" and desc.get("job_api") == st["dashboard"]:
-        description_file().unlink(missing_ok=True)
+def forget(st: dict) -> None:
+    """Remove the current record if it is this local cluster's (not one an Ansible run wrote)."""
+    for folder in (CONFIG, LOCAL):
+        try:
+            current = json.loads((folder / record.RECORD).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(current, dict) and current.get("kind") == "local" and \
+                current.get("job_api") == st["dashboard"]:
+            (folder / record.RECORD).unlink(missing_ok=True)
+            (folder / record.CLIENT_ENV).unlink(missing_ok=True)
 
 
 def free_port() -> int:
@@ -189,7 +183,7 @@ def up(a: argparse.Namespace) -> None:
     if state_file().exists():
         st = json.loads(state_file().read_text())
         if cluster_pids(st["temp_root"]):
-            write_description(st)
+            the_record(st).write(CONFIG)
             print(f"local cluster already running: {st['dashboard']} ({st['nodes']} nodes); "
                   f"`make cluster-down` first to change it")
             return
@@ -198,17 +192,16 @@ def up(a: argparse.Namespace) -> None:
         if port_in_use(port):
             fail(f"port {port} for the {what} is in use on {HOST}; stop what holds it or pick "
                  f"another port")
-    if a.nodes < 1:
-        fail(f"--nodes {a.nodes} must be at least 1")
     cpus = a.cpus_per_node or max(1, (os.cpu_count() or 1) // a.nodes)
     gcs = f"{HOST}:{a.port}"
     # The nodes run this virtualenv's Python, and so does a job's `python` entrypoint.
     # RAY_ADDRESS pins every process of this cluster to it: with two clusters on one host, Ray's
     # own helpers (e.g. Train's PlacementGroupCleaner) otherwise find both and give up.
-    env = {**client_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "RAY_ADDRESS": gcs}
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token()),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_ADDRESS": gcs}
     temp_root = f"/tmp/dlc-{os.getuid()}-{a.port}"
     shutil.rmtree(temp_root, ignore_errors=True)
+    os.makedirs(temp_root, mode=0o700)  # sockets, logs and object store: this user's only
     common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
     # Recorded before anything starts, so `down` can clean up after a start that failed half-way.
@@ -229,12 +222,12 @@ def up(a: argparse.Namespace) -> None:
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
-    write_description(state)
+    written = the_record(state).write(CONFIG)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
     print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
           f"{state['dashboard']} (token auth on)")
-    print(f"client auth: source {CONFIG / 'ray-client.env'}")
-    print(f"cluster description: {description_file()} (make smoke reads it)")
+    print(f"client env: source {CONFIG / record.CLIENT_ENV}")
+    print(f"cluster record: {written}, current as {CONFIG / record.RECORD}")
 
 
 def down(_: argparse.Namespace) -> None:
@@ -258,7 +251,7 @@ def down(_: argparse.Namespace) -> None:
     if pids:
         fail(f"processes {pids} of the local cluster would not stop")
     shutil.rmtree(st["temp_root"], ignore_errors=True)
-    remove_description(st)
+    forget(st)
     state_file().unlink()
     print(f"local Ray cluster at {st['gcs']} stopped")
 
@@ -270,30 +263,46 @@ def status(_: argparse.Namespace) -> None:
     if not cluster_pids(st["temp_root"]):
         fail(f"the local cluster at {st['gcs']} is recorded but not running; "
              f"`make cluster-down` then `make cluster-up`")
-    env = client_env()
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token())}
     print(f"dashboard / job API: {st['dashboard']}   GCS: {st['gcs']}   auth: token "
-          f"({CONFIG / 'ray-client.env'})")
+          f"({CONFIG / record.CLIENT_ENV})")
     sys.stdout.flush()
     proc = subprocess.run([RAY, "status", "--address", st["gcs"]], env={**os.environ, **env})
     sys.exit(proc.returncode)
 
 
+def make_var(name: str, default: int, low: int, high: int | None = None):
+    """A Make variable's argparse type and default: a bad value is one line naming the variable."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text} is not a whole number") from None
+        if n < low or (high is not None and n > high):
+            where = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{name}={n} must be {where}")
+        return n
+
+    return {"type": parse, "default": os.environ.get(name) or str(default)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.error = lambda message: fail(message.split(": ", 1)[-1] + "; see make help")
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start the head and worker nodes")
-    u.add_argument("--nodes", type=int, default=int(os.environ.get("NODES", 2)))
-    u.add_argument("--cpus-per-node", type=int, default=int(os.environ.get("CPUS_PER_NODE", 0)),
-                   help="default: this machine's cores / nodes, at least 1")
-    u.add_argument("--object-store-mb", type=int,
-                   default=int(os.environ.get("OBJECT_STORE_MB", 512)))
-    for s in (u,):
-        s.add_argument("--port", type=int, default=int(os.environ.get("RAY_PORT", 6379)))
-        s.add_argument("--dashboard-port", type=int,
-                       default=int(os.environ.get("DASHBOARD_PORT", 8265)))
+    u.error = p.error
+    u.add_argument("--nodes", **make_var("NODES", 2, 1, 64))
+    u.add_argument("--cpus-per-node", help="default: this machine's cores / nodes, at least 1",
+                   **make_var("CPUS_PER_NODE", 0, 0, 4096))
+    u.add_argument("--object-store-mb", **make_var("OBJECT_STORE_MB", 512, 78))
+    u.add_argument("--port", **make_var("RAY_PORT", 6379, 1024, 65535))
+    u.add_argument("--dashboard-port", **make_var("DASHBOARD_PORT", 8265, 1024, 65535))
     sub.add_parser("down", help="stop the nodes `up` started")
     sub.add_parser("status", help="nodes and resources")
     a = p.parse_args()
+    if a.cmd == "up" and a.port == a.dashboard_port:
+        fail(f"RAY_PORT and DASHBOARD_PORT are both {a.port}; give them different ports")
     {"up": up, "down": down, "status": status}[a.cmd](a)
 
 

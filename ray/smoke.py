@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # smoke_checks, also w
 
 from smoke_checks import MARKER, MIB  # noqa: E402
 
+from trainkit import record  # noqa: E402
 from trainkit.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 PROG = "smoke"
@@ -67,150 +68,19 @@ STEPS = ("nodes", "allreduce", "trainers", "proxyjump")
 TIMEOUTS = {"nodes": 180, "allreduce": 600, "trainers": 2700, "proxyjump": 120}  # seconds
 TRAINERS = ("ddp_autoencoder", "horovod_mnist", "tf_cnn")
 DEFAULT_SIZES_MIB = (1, 4, 16, 64, 256)
-# Ray's default working-dir excludes less .git (as ray-client.env sets them): a job's manifest
-# records the commit it was trained from.
-EXCLUDES = [".venv", "venv", "__pycache__"]
+EXCLUDES = list(record.EXCLUDES)  # as ray-client.env sets them: .git travels, for the manifest
 LOG_TAIL = 30
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its log prefixes
-
-
-def config_dir() -> Path:
-    return Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser()
 
 
 def log(message: str) -> None:
     print(f"[{PROG}] {message}", flush=True)
 
 
-# ------------------------------------------------------------------ the cluster description
-DESCRIPTION_SCHEMA = """\
-The cluster description, $DLC_CONFIG/cluster.json, written by every `make cluster-up` (the local
-cluster's ray/local_cluster.py, the Ansible playbooks) and removed by its cluster-down. One JSON
-object; keys not listed here are allowed and ignored:
-
-  name        string, not empty: "local" for the embedded cluster, else the cluster's name
-              (it names the smoke report)
-  kind        "local" | "ansible"
-  job_api     string, "http://HOST:PORT" or "https://HOST:PORT": where this client reaches Ray's
-              dashboard / job API (for a remote cluster: the local end of a tunnel)
-  token_path  string, absolute path of the Ray auth token file on this client; the client
-              sends it with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH
-  nodes       non-empty list of objects, exactly one with role "head":
-                name  string, unique in the list; for a remote cluster the node's Host name
-                      in ssh_config
-                ip    string (an IPv4 or IPv6 address: the address Ray reports for the node) or
-                      null (the local cluster, whose nodes all show the host's address); nodes
-                      with an ip are matched to Ray's nodes by it, the rest by resources
-                role  "head" | "worker"
-                cpus  integer >= 0: the CPUs Ray offers on the node
-                gpus  integer >= 0: the GPUs Ray offers on the node
-  ssh_config  string (absolute path of an ssh config whose node entries ProxyJump through
-              the bastion) or null; absent means null
-  bastion     string (the bastion's Host name in ssh_config) or null; set together with
-              ssh_config; absent means null
-  storage     string (shared storage path on the nodes, informational) or null; absent means null
-Written by the Ansible side with two more keys, inventory and runtime (informational).
-"""
-
-OPTIONAL_KEYS = ("ssh_config", "bastion", "storage")
-
-
-def validate_description(desc: object) -> list[str]:
-    """Every problem with a description (empty: it is valid); see DESCRIPTION_SCHEMA."""
-    if not isinstance(desc, dict):
-        return [f"the description is a JSON {type(desc).__name__}, not an object"]
-    problems = []
-
-    def text(key: str, optional: bool = False) -> str | None:
-        value = desc.get(key)
-        if value is None and (optional or key not in desc):
-            if not optional:
-                problems.append(f"{key!r} is missing")
-            return None
-        if not isinstance(value, str) or not value:
-            problems.append(f"{key!r} must be a non-empty string{' or null' if optional else ''}, "
-                            f"not {value!r}")
-            return None
-        return value
-
-    text("name")
-    kind = text("kind")
-    if kind is not None and kind not in ("local", "ansible"):
-        problems.append(f"'kind' must be \"local\" or \"ansible\", not {kind!r}")
-    api = text("job_api")
-    if api is not None:
-        u = urlparse(api)
-        try:
-            port = u.port
-        except ValueError:
-            port = None
-        if u.scheme not in ("http", "https") or not u.hostname or not port:
-            problems.append(f"'job_api' must look like http://HOST:PORT, not {api!r}")
-    token = text("token_path")
-    if token is not None and not Path(token).is_absolute():
-        problems.append(f"'token_path' must be an absolute path, not {token!r}")
-    for key in ("ssh_config", "bastion"):
-        value = text(key, optional=True)
-        if key == "ssh_config" and value is not None and not Path(value).is_absolute():
-            problems.append(f"'ssh_config' must be an absolute path, not {value!r}")
-    if not isinstance(desc.get("storage"), str | None):  # informational: any string
-        problems.append(f"'storage' must be a string or null, not {desc['storage']!r}")
-    if (desc.get("ssh_config") is None) != (desc.get("bastion") is None):
-        problems.append("'ssh_config' and 'bastion' must be set together (or both null)")
-    nodes = desc.get("nodes")
-    if not isinstance(nodes, list) or not nodes:
-        problems.append("'nodes' must be a non-empty list")
-        return problems
-    names, ips = Counter(), Counter()
-    for i, node in enumerate(nodes):
-        where = f"nodes[{i}]"
-        if not isinstance(node, dict):
-            problems.append(f"{where} must be an object")
-            continue
-        name = node.get("name")
-        if not isinstance(name, str) or not name:
-            problems.append(f"{where}.name must be a non-empty string")
-        else:
-            names[name] += 1
-            where = f"node {name!r}"
-        ip = node.get("ip")
-        if ip is not None:
-            try:
-                ipaddress.ip_address(ip)
-                ips[ip] += 1
-            except (TypeError, ValueError):
-                problems.append(f"{where}: ip must be an IP address or null, not {ip!r}")
-        if node.get("role") not in ("head", "worker"):
-            problems.append(f"{where}: role must be \"head\" or \"worker\", not {node.get('role')!r}")
-        for key in ("cpus", "gpus"):
-            v = node.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                problems.append(f"{where}: {key} must be an integer >= 0, not {v!r}")
-    problems += [f"node name {n!r} appears {k} times" for n, k in names.items() if k > 1]
-    problems += [f"ip {ip} appears {k} times" for ip, k in ips.items() if k > 1]
-    heads = sum(1 for n in nodes if isinstance(n, dict) and n.get("role") == "head")
-    if heads != 1:
-        problems.append(f"exactly one node must have role \"head\", found {heads}")
-    return problems
-
-
+# ------------------------------------------------------------------ the cluster record
 def load_description(path: Path) -> dict:
-    """Read and check a description; every problem is a one-line UserError naming the fix."""
-    if not path.is_file():
-        raise UserError(f"no cluster description at {path}: no cluster is up from here; run "
-                        f"make cluster-up first (or pass --config FILE)")
-    try:
-        desc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read the cluster description {path} ({e}); rerun make cluster-up "
-                        f"to rewrite it") from None
-    problems = validate_description(desc)
-    if problems:
-        raise UserError(f"bad cluster description {path}: {'; '.join(problems)}; fix it or rerun "
-                        f"make cluster-up")
-    for key in OPTIONAL_KEYS:
-        desc.setdefault(key, None)
-    return desc
+    """The cluster record (trainkit/record.py) as a dict; a bad one is a one-line UserError."""
+    return record.load(path).model_dump()
 
 
 def check_token(desc: dict, path: Path) -> None:
@@ -820,7 +690,7 @@ def summary(report: dict, path: Path | None = None) -> list[str]:
 # ------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                epilog=DESCRIPTION_SCHEMA,
+                                epilog="The cluster record's fields: python -m trainkit.record schema",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="the cluster description (default: $DLC_CONFIG/cluster.json)")
@@ -861,11 +731,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    config = Path(a.config).expanduser() if a.config else config_dir() / "cluster.json"
+    config = Path(a.config).expanduser() if a.config else record.config_dir() / "cluster.json"
     desc = load_description(config)
     check_token(desc, config)
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": desc["token_path"],
-                       "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ",".join(EXCLUDES)})
+    os.environ.update(record.load(config).client_env())
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dlc-smoke-") as tmp:
         jobs = None
@@ -878,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [run_step(name, ctx) for name in STEPS if name in a.steps]
     report = build_report(desc, config, steps, started, time.monotonic() - t0)
     path = Path(a.json).expanduser() if a.json else (
-        config_dir() / "smoke" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', desc['name'])}-"
+        record.config_dir() / "smoke" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', desc['name'])}-"
                                  f"{started.strftime('%Y%m%dT%H%M%SZ')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# make submit / make demo: `ray job submit` of jobs/JOB.py to the running local cluster, exactly
-# the README's line, with the token from $DLC_CONFIG/ray-client.env.
+# make submit / make demo: `ray job submit` of jobs/JOB.py to the current cluster, exactly the
+# README's line, with the job API address and token from the cluster record
+# ($DLC_CONFIG/cluster.json, trainkit/record.py).
 #   usage: ray/submit.sh JOB [job flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,11 +13,9 @@ if [ ! -f "jobs/$job.py" ]; then
   jobs=(jobs/*.py); jobs=("${jobs[@]#jobs/}")
   die "no jobs/$job.py; JOB is one of: ${jobs[*]%.py}"
 fi
-env_file=${DLC_CONFIG:-$HOME/.config/dlcluster}/ray-client.env
-[ -f "$env_file" ] || die "no $env_file: no cluster was started here; run make cluster-up first"
-port=${DASHBOARD_PORT:-8265}
-(exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null \
-  || die "nothing answers on the job API http://127.0.0.1:$port; run make cluster-up (or set DASHBOARD_PORT)"
-# shellcheck source=/dev/null
-. "$env_file"
-exec .venv/bin/ray job submit --address "http://127.0.0.1:$port" --working-dir . -- python "jobs/$job.py" "$@"
+client_env=$(.venv/bin/python -m trainkit.record env) || exit 2   # one line on a bad record
+eval "$client_env"
+api=${RAY_ADDRESS#http://}
+(exec 3<>"/dev/tcp/${api%:*}/${api##*:}") 2>/dev/null \
+  || die "nothing answers on the job API $RAY_ADDRESS of the cluster record; run make cluster-up (for a remote cluster: it reopens the tunnel)"
+exec .venv/bin/ray job submit --address "$RAY_ADDRESS" --working-dir . -- python "jobs/$job.py" "$@"

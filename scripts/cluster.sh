@@ -25,7 +25,7 @@ inventory=$(realpath "$INVENTORY")
 
 # The cluster's name is its inventory's folder (as roles/dlc works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
-config=${DLC_CONFIG:-$HOME/.config/dlcluster}
+config=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}
 mkdir -p "$config/clusters/$name" && chmod 700 "$config/clusters/$name"
 log="$config/clusters/$name/$action.log"
 

@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainkit import record
+from trainkit.errors import run_main
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,10 +48,13 @@ def run(workers: int, batch: int, a: argparse.Namespace, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default=f"http://127.0.0.1:{os.environ.get('DASHBOARD_PORT', 8265)}")
+    p.add_argument("--address", default=None, help="job API (default: the cluster record's)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
     p.add_argument("--limit", type=int, default=None, help="frames to use (default: all 6472)")
     a = p.parse_args()
+    current = record.load()  # the cluster `make cluster-up` brought up, wherever its job API is
+    os.environ.update(current.client_env())
+    a.address = a.address or current.job_api
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-ae-") as tmp:
         for batch in (64, 128):
@@ -77,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "bench")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from trainkit import record
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -33,11 +35,8 @@ class LocalCluster:
         return proc
 
     def client_env(self) -> dict:
-        env = dict(self.env)
-        for line in (self.config / "ray-client.env").read_text().splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            env[key] = value
-        return env
+        """The environment a client gets from the cluster record (as `make submit` does)."""
+        return {**self.env, **record.load(self.config / record.RECORD).client_env()}
 
     def submit(self, job: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
         """`ray job submit` as the README shows it; output is stdout + stderr together."""

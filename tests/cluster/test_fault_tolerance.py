@@ -93,7 +93,7 @@ def test_a_lost_node_costs_a_restart_not_the_run(doomed, tmp_path):
                   "1600", "--image-size", "60x80", "--batch-size", "16", "--name", "lost-node",
                   "--storage-path", str(storage), "--output", str(out), "--max-failures", "3")
     job.wait_for("epoch 2/3: ")
-    temp_root = json.loads((doomed.config / "local-cluster.json").read_text())["temp_root"]
+    temp_root = json.loads((doomed.config / "clusters" / "local" / "state.json").read_text())["temp_root"]
     node = node_pids(f"{temp_root}/node1")
     assert node, "node1 has no processes"
     killed_at = kill(node)

@@ -1,13 +1,15 @@
 """The embedded cluster: separate `ray start` nodes, token auth, loopback-only dashboard, and a
 `down` that stops only its own processes."""
 
-import json
 import os
 import stat
 import subprocess
 import sys
 
+import pytest
 from conftest import BIN, REPO, start_cluster
+
+from trainkit import record
 
 
 def ray_list_nodes(env, port):
@@ -27,9 +29,11 @@ def test_nodes_joined_and_token_is_required(cluster):
     assert "auth" in (denied.stdout + denied.stderr).lower()
 
 
-def test_token_is_private_and_outside_the_repo(cluster):
-    token = cluster.config / "ray_token"
+def test_token_and_folders_are_private_and_outside_the_repo(cluster):
+    token = cluster.config / "clusters" / "local" / "ray_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(f"/tmp/dlc-{os.getuid()}-6390").st_mode) == 0o700
     assert len(token.read_text()) == 64
     assert not token.resolve().is_relative_to(REPO)
 
@@ -62,13 +66,42 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
 
     main_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6390", 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
-    assert json.loads((tmp_path / "cluster.json").read_text())["job_api"] == "http://127.0.0.1:8295"
+    assert record.load(tmp_path / "cluster.json").job_api == "http://127.0.0.1:8295"
     other_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395)
     assert other_pids and not set(other_pids) & set(main_pids)
     assert "stopped" in other.script("down").stdout
-    assert not (tmp_path / "cluster.json").exists()  # its description goes with it
+    assert not (tmp_path / "cluster.json").exists()  # its record goes with it
     assert (cluster.config / "cluster.json").exists()
     assert cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395) == []  # Ray Client server too
     for pid in main_pids:
         assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"
     assert "nothing to stop" in other.script("down").stdout
+
+
+def test_submit_finds_a_cluster_on_another_port_through_its_record(cluster, tmp_path):
+    """The fixture cluster's job API is on 8290, not the default: `make submit` must find it in the
+    record, with DASHBOARD_PORT unset."""
+    env = {k: v for k, v in cluster.env.items() if k not in ("DASHBOARD_PORT", "RAY_PORT")}
+    proc = subprocess.run(["make", "--no-print-directory", "submit", "JOB=ddp_autoencoder",
+                           f"ARGS=--image-size 40x60 --limit 40 --batch-size 8 --num-workers 1 "
+                           f"--storage-path {tmp_path}/runs --output {tmp_path}/model"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert (tmp_path / "model" / "model.onnx").exists()
+
+
+@pytest.mark.parametrize("variables,line", [
+    ({"NODES": "abc"}, "NODES=abc is not a whole number"),
+    ({"NODES": "0"}, "NODES=0 must be from 1 to 64"),
+    ({"RAY_PORT": "70000"}, "RAY_PORT=70000 must be from 1024 to 65535"),
+    ({"RAY_PORT": "8299", "DASHBOARD_PORT": "8299"}, "RAY_PORT and DASHBOARD_PORT are both 8299"),
+    ({"OBJECT_STORE_MB": "1"}, "OBJECT_STORE_MB=1 must be at least 78"),
+])
+def test_bad_make_variables_are_one_line(tmp_path, variables, line):
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path), **variables}
+    proc = subprocess.run([sys.executable, "ray/local_cluster.py", "up"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("local_cluster: error: ") and line in errors[0]
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written

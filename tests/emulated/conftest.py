@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from trainkit import record
+
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "ansible/inventories/emulated/hosts.yml"
 BIN = Path(sys.executable).parent
@@ -68,12 +70,8 @@ class Emulated:
         return run(["scripts/cluster.sh", action], env, timeout=timeout)
 
     def client_env(self) -> dict:
-        env = dict(self.env)
-        for line in (self.config / "ray-client.env").read_text().splitlines():
-            if line.startswith("export "):
-                key, _, value = line.removeprefix("export ").partition("=")
-                env[key] = value
-        return env
+        """The environment a client gets from the cluster record (as `make submit` does)."""
+        return {**self.env, **record.load(self.config / record.RECORD).client_env()}
 
     def token(self) -> str:
         return (self.cluster_dir / "ray_token").read_text().strip()

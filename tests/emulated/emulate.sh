@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 
 DOCKER=${DOCKER:-/usr/bin/docker}
 export DOCKER_BUILDKIT=1
-CONFIG=${DLC_CONFIG:-$HOME/.config/dlcluster}
+CONFIG=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}
 KEYDIR=$CONFIG/emulated
 NODES=(node-1 node-2 node-3)
 PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24

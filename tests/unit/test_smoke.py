@@ -25,17 +25,13 @@ import smoke_checks  # noqa: E402
 
 def local_desc(nodes=2, cpus=1, **changes) -> dict:
     st = {"dashboard": "http://127.0.0.1:8265", "nodes": nodes, "cpus_per_node": cpus}
-    return {**local_cluster.description(st), **changes}
+    return {**local_cluster.the_record(st).model_dump(), **changes}
 
 
 def remote_desc(**changes) -> dict:
-    nodes = [{"name": "node-1", "ip": "172.31.251.11", "role": "head", "cpus": 8, "gpus": 1},
-             {"name": "node-2", "ip": "172.31.251.12", "role": "worker", "cpus": 8, "gpus": 1},
-             {"name": "node-3", "ip": "172.31.251.13", "role": "worker", "cpus": 16, "gpus": 2}]
-    return {"name": "lab", "kind": "ansible", "job_api": "http://127.0.0.1:8265",
-            "token_path": "/home/u/.config/dlcluster/clusters/lab/ray_token", "nodes": nodes,
-            "ssh_config": "/home/u/.config/dlcluster/clusters/lab/ssh_config", "bastion": "bastion",
-            "storage": "/srv/dlcluster", **changes}
+    from test_record import remote
+
+    return {**remote(), **changes}
 
 
 # ------------------------------------------------------------------ all-reduce arithmetic
@@ -74,65 +70,6 @@ def test_sizes_from_flags():
     assert smoke.parse_args(["--only", "trainers, nodes"]).steps == ["trainers", "nodes"]
 
 
-# ------------------------------------------------------------------ the description
-def test_local_cluster_writes_a_valid_description():
-    d = local_desc(nodes=3, cpus=4)
-    assert smoke.validate_description(d) == []
-    assert [n["role"] for n in d["nodes"]] == ["head", "worker", "worker"]
-    assert {(n["ip"], n["cpus"], n["gpus"]) for n in d["nodes"]} == {(None, 4, 0)}
-    assert (d["kind"], d["ssh_config"], d["bastion"]) == ("local", None, None)
-    assert smoke.validate_description(remote_desc()) == []
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"kind": "cloud"}, "'kind' must be \"local\" or \"ansible\""),
-    ({"job_api": "127.0.0.1:8265"}, "'job_api' must look like http://HOST:PORT"),
-    ({"job_api": "http://127.0.0.1"}, "'job_api' must look like http://HOST:PORT"),
-    ({"token_path": "ray_token"}, "'token_path' must be an absolute path"),
-    ({"name": ""}, "'name' must be a non-empty string"),
-    ({"nodes": []}, "'nodes' must be a non-empty list"),
-    ({"bastion": None}, "'ssh_config' and 'bastion' must be set together"),
-    ({"ssh_config": "ssh_config"}, "'ssh_config' must be an absolute path"),
-    ({"storage": 5}, "'storage' must be a string or null"),
-])
-def test_description_errors(change, message):
-    problems = smoke.validate_description(remote_desc(**change))
-    assert any(message in p for p in problems), problems
-
-
-def test_node_errors():
-    d = remote_desc()
-    d["nodes"][1].update(ip="172.31.251.11", role="head", cpus=1.5)
-    d["nodes"][2].update(ip="not-an-ip", gpus=-1, name="node-1")
-    problems = smoke.validate_description(d)
-    for message in ("node 'node-2': cpus must be an integer >= 0, not 1.5",
-                    "node 'node-1': ip must be an IP address or null, not 'not-an-ip'",
-                    "gpus must be an integer >= 0, not -1", "node name 'node-1' appears 2 times",
-                    "ip 172.31.251.11 appears 2 times", "exactly one node must have role \"head\", found 2"):
-        assert any(message in p for p in problems), (message, problems)
-    assert smoke.validate_description([]) == ["the description is a JSON list, not an object"]
-    missing = smoke.validate_description({"name": "x"})
-    assert {"'kind' is missing", "'job_api' is missing", "'token_path' is missing"} <= set(missing)
-
-
-def test_load_description(tmp_path):
-    with pytest.raises(UserError, match=r"no cluster description at .*json: .*run make cluster-up first"):
-        smoke.load_description(tmp_path / "cluster.json")
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(UserError, match=r"cannot read the cluster description .*bad.json"):
-        smoke.load_description(bad)
-    wrong = tmp_path / "wrong.json"
-    wrong.write_text(json.dumps(local_desc(kind="k8s")))
-    with pytest.raises(UserError, match=r"bad cluster description .*'kind' must be .*; fix it or rerun"):
-        smoke.load_description(wrong)
-    ok = tmp_path / "ok.json"
-    d = local_desc()
-    del d["storage"], d["ssh_config"], d["bastion"]  # absent means null
-    ok.write_text(json.dumps(d))
-    assert smoke.load_description(ok)["bastion"] is None
-
-
 def test_token_must_exist(tmp_path):
     d = local_desc(token_path=str(tmp_path / "ray_token"))
     with pytest.raises(UserError, match="does not exist; run make cluster-up first"):
@@ -141,19 +78,20 @@ def test_token_must_exist(tmp_path):
     smoke.check_token(d, tmp_path / "cluster.json")
 
 
-def test_local_cluster_description_file_lifecycle(tmp_path, monkeypatch):
+def test_local_cluster_record_lifecycle(tmp_path, monkeypatch):
     monkeypatch.setattr(local_cluster, "CONFIG", tmp_path)
+    monkeypatch.setattr(local_cluster, "LOCAL", tmp_path / "clusters" / "local")
     st = {"dashboard": "http://127.0.0.1:8290", "nodes": 2, "cpus_per_node": 1}
-    local_cluster.write_description(st)
+    local_cluster.the_record(st).write(tmp_path)
     written = json.loads((tmp_path / "cluster.json").read_text())
     assert written["job_api"] == "http://127.0.0.1:8290"
-    assert written["token_path"] == str(tmp_path / "ray_token")
-    local_cluster.remove_description({**st, "dashboard": "http://127.0.0.1:8265"})  # another one's
+    assert written["token_path"] == str(tmp_path / "clusters" / "local" / "ray_token")
+    local_cluster.forget({**st, "dashboard": "http://127.0.0.1:8265"})  # another one's
     assert (tmp_path / "cluster.json").exists()
-    local_cluster.remove_description(st)
-    assert not (tmp_path / "cluster.json").exists()
+    local_cluster.forget(st)
+    assert not (tmp_path / "cluster.json").exists() and not (tmp_path / "ray-client.env").exists()
     (tmp_path / "cluster.json").write_text(json.dumps(remote_desc(job_api=st["dashboard"])))
-    local_cluster.remove_description(st)  # an Ansible cluster's description stays
+    local_cluster.forget(st)  # an Ansible cluster's record stays
     assert (tmp_path / "cluster.json").exists()
 
 
@@ -432,12 +370,11 @@ def run_smoke(tmp_path, *argv):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_no_description_is_one_line_and_exit_2(tmp_path):
+def test_no_record_is_one_line_and_exit_2(tmp_path):
     proc = run_smoke(tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"smoke: error: no cluster description at {tmp_path / 'cluster.json'}: "
-                                   f"no cluster is up from here; run make cluster-up first "
-                                   f"(or pass --config FILE)")
+    assert proc.stderr.strip() == (f"smoke: error: no cluster record at {tmp_path / 'cluster.json'}: "
+                                   f"no cluster is up from here; run make cluster-up first")
 
 
 def test_no_job_api_is_one_line_and_exit_2(tmp_path):

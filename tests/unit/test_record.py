@@ -1,0 +1,135 @@
+"""The cluster record: its model, its one-line errors, its two writers (the local cluster and the
+Ansible control role's template), and the client env made from it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from trainkit import record
+from trainkit.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def remote(**changes) -> dict:
+    nodes = [{"name": "node-1", "ip": "172.31.251.11", "role": "head", "cpus": 8, "gpus": 1},
+             {"name": "node-2", "ip": "172.31.251.12", "role": "worker", "cpus": 8, "gpus": 1},
+             {"name": "node-3", "ip": "172.31.251.13", "role": "worker", "cpus": 16, "gpus": 2}]
+    return {"format": record.FORMAT, "name": "lab", "kind": "ansible",
+            "job_api": "http://127.0.0.1:8265",
+            "token_path": "/home/u/.config/dlcluster/clusters/lab/ray_token", "nodes": nodes,
+            "ssh_config": "/home/u/.config/dlcluster/clusters/lab/ssh_config", "bastion": "bastion",
+            "storage": "/srv/dlcluster", "runtime": "docker", "inventory": "/x/hosts.yml", **changes}
+
+
+def with_node(i: int, **changes) -> dict:
+    r = remote()
+    r["nodes"][i] = {**r["nodes"][i], **changes}
+    return r
+
+
+BAD = [
+    (remote(kind="cloud"), "kind: Input should be 'local' or 'ansible'"),
+    (remote(job_api="127.0.0.1:8265"), "job_api: Value error, must look like http://HOST:PORT"),
+    (remote(job_api="http://127.0.0.1"), "job_api: Value error, must look like http://HOST:PORT"),
+    (remote(token_path="ray_token"), "token_path: Value error, must be an absolute path"),
+    (remote(name=""), "name: String should have at least 1 character"),
+    (remote(name="a/b"), "name: String should match pattern"),
+    (remote(nodes=[]), "nodes: List should have at least 1 item"),
+    (remote(bastion=None), "ssh_config and bastion are set together"),
+    (remote(ssh_config="ssh_config"), "ssh_config: Value error, must be an absolute path"),
+    (remote(runtime="podman"), "runtime: Input should be 'host' or 'docker'"),
+    (remote(colour="blue"), "colour: Extra inputs are not permitted"),
+    (with_node(1, cpus=1.5), "nodes.1.cpus: Input should be a valid integer"),
+    (with_node(2, gpus=-1), "nodes.2.gpus: Input should be greater than or equal to 0"),
+    (with_node(2, ip="not-an-ip"), "nodes.2.ip: Value error"),
+    (with_node(2, name="node-1"), "node name 'node-1' appear(s) more than once"),
+    (with_node(1, ip="172.31.251.11"), "ip 172.31.251.11 appear(s) more than once"),
+    (with_node(1, role="head"), "exactly one node has role head, found 2"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_a_bad_record_is_one_line_naming_the_file_and_the_fix(tmp_path, data, message):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        record.load(path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"bad cluster record {path}: ")
+    assert message in line and line.endswith("rerun make cluster-up to rewrite it"), line
+
+
+def test_missing_truncated_and_foreign_records(tmp_path):
+    path = tmp_path / "cluster.json"
+    with pytest.raises(UserError, match=r"no cluster record at .*cluster.json: no cluster is up"):
+        record.load(path)
+    path.write_text(json.dumps(remote())[:100])
+    with pytest.raises(UserError, match=r"cannot read the cluster record .*; rerun make cluster-up"):
+        record.load(path)
+    path.write_text(json.dumps({"name": "x", "kind": "local"}))  # an older or another tool's file
+    with pytest.raises(UserError, match="is not a dlcluster cluster record"):
+        record.load(path)
+
+
+def test_write_makes_the_cluster_current_with_its_client_env(tmp_path):
+    r = record.ClusterRecord.model_validate(remote())
+    written = r.write(tmp_path)
+    assert written == tmp_path / "clusters" / "lab" / "cluster.json"
+    assert (tmp_path / "clusters" / "lab").stat().st_mode & 0o777 == 0o700
+    assert record.load(written) == record.load(tmp_path / "cluster.json") == r
+    env = (tmp_path / "ray-client.env").read_text().splitlines()
+    assert env == ["export RAY_ADDRESS=http://127.0.0.1:8265", "export RAY_AUTH_MODE=token",
+                   f"export RAY_AUTH_TOKEN_PATH={r.token_path}",
+                   "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=.venv,.venv-ansible,venv,__pycache__"]
+
+
+def ansible_template(**facts) -> dict:
+    """The control role's cluster.json.j2 rendered as Ansible would (to_nice_json)."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/control/templates"),
+                             undefined=jinja2.StrictUndefined)
+    env.filters["to_nice_json"] = lambda v: json.dumps(v, indent=4, sort_keys=True)
+    return json.loads(env.get_template("cluster.json.j2").render(**facts))
+
+
+@pytest.mark.parametrize("inventory", ["example", "emulated"])
+def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
+    """Both writers produce records of one schema: the template rendered with the facts of each
+    shipped inventory validates against the model's exported JSON Schema and the model."""
+    import yaml
+
+    hosts = yaml.safe_load((REPO / f"ansible/inventories/{inventory}/hosts.yml").read_text())["all"]
+    groups = {g: list(v.get("hosts", {})) for g, v in hosts["children"].items()}
+    all_hosts = {h: v or {} for g in hosts["children"].values() for h, v in (g.get("hosts") or {}).items()}
+    nodes = [{"name": h, "ip": all_hosts[h].get("ip") or all_hosts[h]["ansible_host"],
+              "role": "head" if h in groups["ray_head"] else "worker", "cpus": 8, "gpus": 0}
+             for h in groups["ray_head"] + groups["ray_workers"]]
+    cluster_dir = f"{tmp_path}/clusters/{inventory}"
+    data = ansible_template(
+        dlc_cluster_name=inventory, ansible_inventory_sources=[f"/x/{inventory}/hosts.yml"],
+        dlc_tunnel_port=8265, dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
+        groups=groups, dlc_shared_storage_path="/srv/dlcluster", dlc_ray_runtime="docker",
+        control_nodes_record=nodes)
+    jsonschema.validate(data, record.ClusterRecord.model_json_schema())
+    r = record.ClusterRecord.model_validate(data)
+    assert (r.kind, r.bastion, len(r.nodes)) == ("ansible", groups["bastions"][0], len(nodes))
+
+
+def test_the_command_line(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(remote()))
+    run = [sys.executable, "-m", "trainkit.record"]
+    ok = subprocess.run([*run, "check", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0 and "cluster lab (ansible, 3 node(s)) at http://127.0.0.1:8265" in ok.stdout
+    env = subprocess.run([*run, "env", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert "export RAY_ADDRESS=http://127.0.0.1:8265\n" in env.stdout
+    bad = subprocess.run([*run, "env", str(tmp_path / "none.json")], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("record: error: no cluster record at ")
+    schema = json.loads(subprocess.run([*run, "schema"], cwd=REPO, capture_output=True, text=True).stdout)
+    assert set(schema["required"]) >= {"name", "kind", "job_api", "token_path", "nodes"}

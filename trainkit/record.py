@@ -1,0 +1,188 @@
+"""The cluster record: the one contract between bringing a cluster up and using it.
+
+Every `make cluster-up` writes `$DLC_CONFIG/clusters/<name>/cluster.json` and makes it the current
+cluster (`$DLC_CONFIG/cluster.json`, with `$DLC_CONFIG/ray-client.env` beside it): the local
+cluster through `ClusterRecord.write`, the Ansible control role from its template (a unit test
+validates that template's output against this model, and the role checks what it wrote with
+`python -m trainkit.record check`). `make submit`, `make smoke`, the benchmark and the test
+fixtures find the cluster, its job API and its token only here.
+
+    python -m trainkit.record show|env|check [FILE]   # the record; its client env; validate
+    python -m trainkit.record schema                   # its JSON Schema
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import EXIT_USER_ERROR, UserError
+
+FORMAT = "dlcluster-cluster/1"
+RECORD = "cluster.json"
+CLIENT_ENV = "ray-client.env"
+# Ray's default working-dir excludes less .git (a job's manifest records the commit)
+EXCLUDES = (".venv", ".venv-ansible", "venv", "__pycache__")
+
+
+def config_dir() -> Path:
+    """$DLC_CONFIG, else ~/.config/dlcluster: the one Python default (the Makefile has the shell's)."""
+    return Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser()
+
+
+class Node(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="unique; for a remote cluster its Host in ssh_config")
+    ip: str | None = Field(description="the address Ray reports for the node; null on the local "
+                                       "cluster, whose nodes all show the host's address")
+    role: Literal["head", "worker"]
+    cpus: int = Field(ge=0, description="CPUs Ray offers on the node")
+    gpus: int = Field(ge=0, description="GPUs Ray offers on the node")
+
+    @field_validator("ip")
+    @classmethod
+    def _ip(cls, v):
+        if v is not None:
+            ipaddress.ip_address(v)
+        return v
+
+
+class ClusterRecord(BaseModel):
+    """What a client needs to know about a running cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["dlcluster-cluster/1"] = Field(FORMAT, description="this record's format")
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$",
+                      description='"local" for the embedded cluster, else the inventory folder\'s name')
+    kind: Literal["local", "ansible"]
+    job_api: str = Field(description="http://HOST:PORT where this client reaches Ray's job API "
+                                     "(for a remote cluster: the local end of the ssh tunnel)")
+    token_path: str = Field(description="absolute path of the Ray token file on this client")
+    nodes: list[Node] = Field(min_length=1, description="the nodes, exactly one of them the head")
+    ssh_config: str | None = Field(None, description="ssh config whose node entries ProxyJump "
+                                                     "through the bastion (set with bastion)")
+    bastion: str | None = Field(None, description="the bastion's Host in ssh_config")
+    storage: str | None = Field(None, description="shared storage path on the nodes")
+    runtime: Literal["host", "docker"] | None = Field(None, description="how Ray runs on the nodes")
+    inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
+
+    @field_validator("job_api")
+    @classmethod
+    def _api(cls, v: str) -> str:
+        u = urlparse(v)
+        try:
+            port = u.port
+        except ValueError:
+            port = None
+        if u.scheme not in ("http", "https") or not u.hostname or not port:
+            raise ValueError(f"must look like http://HOST:PORT, not {v!r}")
+        return v
+
+    @field_validator("token_path", "ssh_config")
+    @classmethod
+    def _absolute(cls, v):
+        if v is not None and not Path(v).is_absolute():
+            raise ValueError(f"must be an absolute path, not {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _whole(self):
+        if (self.ssh_config is None) != (self.bastion is None):
+            raise ValueError("ssh_config and bastion are set together (or both null)")
+        names = Counter(n.name for n in self.nodes)
+        ips = Counter(n.ip for n in self.nodes if n.ip)
+        twice = [f"node name {k!r}" for k, c in names.items() if c > 1] + \
+                [f"ip {k}" for k, c in ips.items() if c > 1]
+        if twice:
+            raise ValueError(f"{', '.join(twice)} appear(s) more than once")
+        heads = sum(n.role == "head" for n in self.nodes)
+        if heads != 1:
+            raise ValueError(f"exactly one node has role head, found {heads}")
+        return self
+
+    # ---- what a client does with it
+    def client_env(self) -> dict[str, str]:
+        """The environment `ray job submit` needs: the job API, token auth, the excludes."""
+        return {"RAY_ADDRESS": self.job_api, "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN_PATH": self.token_path,
+                "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ",".join(EXCLUDES)}
+
+    def write(self, config: Path | None = None) -> Path:
+        """Write the record and its client env under clusters/<name>/ and make it current."""
+        config = config or config_dir()
+        folder = config / "clusters" / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+        text = self.model_dump_json(indent=2) + "\n"
+        env = "".join(f"export {k}={v}\n" for k, v in self.client_env().items())
+        for where in (folder, config):
+            _write(where / RECORD, text)
+            _write(where / CLIENT_ENV, env)
+        return folder / RECORD
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def problems(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}"
+                     for e in error.errors(include_url=False))
+
+
+def load(path: Path | None = None) -> ClusterRecord:
+    """The current cluster's record (or `path`); a missing, truncated or foreign one is one line."""
+    path = path or config_dir() / RECORD
+    if not path.is_file():
+        raise UserError(f"no cluster record at {path}: no cluster is up from here; run make "
+                        "cluster-up first")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read the cluster record {path} ({e}); rerun make cluster-up to "
+                        "rewrite it") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"{path} is not a dlcluster cluster record (no \"format\": \"{FORMAT}\"); "
+                        "rerun make cluster-up to rewrite it")
+    try:
+        return ClusterRecord.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"bad cluster record {path}: {problems(e)}; rerun make cluster-up to "
+                        "rewrite it") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    what, path = (argv + ["show"])[0], (Path(argv[1]) if len(argv) > 1 else None)
+    try:
+        if what == "schema":
+            print(json.dumps(ClusterRecord.model_json_schema(), indent=2))
+        elif what == "show":
+            print(load(path).model_dump_json(indent=2))
+        elif what == "env":
+            print("".join(f"export {k}={v}\n" for k, v in load(path).client_env().items()), end="")
+        elif what == "check":
+            r = load(path)
+            print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
+                  f"node(s)) at {r.job_api}")
+        else:
+            raise UserError(f"unknown command {what!r}; use show, env, check or schema")
+    except UserError as e:
+        print(f"record: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()
