@@ -33,7 +33,7 @@ from . import cluster, flags, launch
 from .errors import run_main
 from .onnx_export import Published, verify_and_publish
 from .progress import say
-from .store import FolderStore, RayStore, Store, read_meta
+from .store import FolderStore, RayStore, Store, precheck, read_meta
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,7 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
                                 placement=args.placement, elastic=job.trainer != "horovod")
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
     cluster.check_storage(args.storage_path)
+    precheck(args.storage_path, job.name, args.name, job.signature(config))
     attempts = cluster.on_this_node(Attempts)
     run_ = make_run(job, args, "ray", plan.use_gpu, attempts)
     say(job.name, f"run {run_.name}: {job.describe(config)}; {plan.describe()}, batch "

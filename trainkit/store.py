@@ -57,6 +57,17 @@ def check_signature(meta: dict, job: str, signature: dict, name: str) -> None:
                         "it with its own flags, or use another --name for a new run")
 
 
+def precheck(storage_path: str, job: str, name: str, signature: dict) -> None:
+    """On the driver, before any worker starts: the run's newest checkpoint (Ray's folders are
+    named by time) must fit this run's signature. Ray would otherwise retry the mismatch
+    --max-failures times. Workers check again when they restore (also for URIs, skipped here)."""
+    if "://" in storage_path:
+        return
+    found = sorted(p for p in (Path(storage_path) / name).glob("checkpoint_*") if (p / META).is_file())
+    if found:
+        check_signature(read_meta(found[-1]), job, signature, name)
+
+
 class Store:
     """Where one rank saves and restores; every rank calls `save` each epoch (rank 0 writes)."""
 

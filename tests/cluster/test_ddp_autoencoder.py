@@ -95,11 +95,13 @@ def bad_inputs(tmp_path):
         "corrupt image": (["--data", str(corrupt)], f"cannot read image {corrupt / '2.jpg'}"),
         "batch > share": (["--limit", "60", "--batch-size", "64"], "larger than each worker's share"),
         "too many workers": (["--limit", "60", "--num-workers", "8"], "needs 8 CPUs"),
+        "other shapes": (["--limit", "60", "--image-size", "60x80"], "run resume was trained with "
+                         "other shapes than asked (image_size [40, 60] -> [60, 80])"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing path", "empty folder", "corrupt image",
-                                  "batch > share", "too many workers"])
+                                  "batch > share", "too many workers", "other shapes"])
 def test_bad_input_fails_fast_with_one_line(cluster, storage, trained, tmp_path, case):
     args, message = bad_inputs(tmp_path)[case]
     before = fingerprint(storage, trained)
