@@ -59,14 +59,20 @@ class Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------ argparse types
-def positive_int(text: str) -> int:
+def _number(text: str, kind, ok, rule: str):
+    """`text` as `kind` (int or float) meeting `ok`, else argparse's error: what is wrong."""
     try:
-        n = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text} {rule}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda n: n >= 1, "must be at least 1")
 
 
 def num_workers(text: str) -> int | tuple[int, int]:
@@ -88,33 +94,16 @@ def num_workers(text: str) -> int | tuple[int, int]:
 
 def failures(text: str) -> int:
     """How many times a lost worker group is restarted; -1: without limit."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < -1:
-        raise argparse.ArgumentTypeError(f"{n} must be 0 or more, or -1 for no limit")
-    return n
+    return _number(text, int, lambda n: n >= -1, "must be 0 or more, or -1 for no limit")
 
 
 def learning_rate(text: str) -> float:
-    try:
-        lr = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(lr) or lr <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0, e.g. 1e-3")
-    return lr
+    return _number(text, float, lambda lr: math.isfinite(lr) and lr > 0,
+                   "must be a finite number above 0, e.g. 1e-3")
 
 
 def fraction(text: str) -> float:
-    try:
-        f = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < f < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be between 0 and 1, e.g. 0.1")
-    return f
+    return _number(text, float, lambda f: 0 < f < 1, "must be between 0 and 1, e.g. 0.1")
 
 
 def run_name(text: str) -> str:
