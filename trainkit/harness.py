@@ -305,8 +305,9 @@ def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: 
     m = published.manifest
     say(job.name, f"ONNX parity: max abs diff {m['parity']['max_abs_diff']:.2e} "
                   f"(tolerance {m['parity']['tolerance']:g})")
-    say(job.name, f"ONNX model: {published.model}")
-    say(job.name, f"manifest:   {published.manifest_path}")
+    say(job.name, f"ONNX model: {output / published.model.name}")
+    say(job.name, f"manifest:   {output / published.manifest_path.name}")
+    say(job.name, f"published:  {published.model.parent} (sha256 {m['model_sha256'][:16]}...)")
     return published
 
 
