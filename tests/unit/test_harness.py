@@ -209,3 +209,19 @@ def test_gpu_asked_for_but_absent_is_one_line(tmp_path):
         pytest.skip("this machine has a GPU: --use-gpu true is valid here")
     proc = job("ddp_autoencoder", *TINY_AE, "--use-gpu", "true", home=tmp_path)
     assert proc.returncode == 2 and "--use-gpu true but this process sees no CUDA device" in proc.stderr
+
+
+def test_the_tensorflow_job_never_imports_torch(tmp_path):
+    """torch's CUDA 13 libraries would be loaded first and shadow TensorFlow's CUDA 12 ones: the
+    TF job's process (its harness, data, training and export) must not import torch at all."""
+    code = ("import runpy, sys; sys.argv = ['tf_cnn.py', '--per-class', '6', '--batch-size', '4', "
+            "'--epochs', '1', '--name', 'nt']\n"
+            "try:\n    runpy.run_path('jobs/tf_cnn.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "no torch"
+    assert (tmp_path / "models" / "nt" / "model.onnx").exists()
