@@ -36,7 +36,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
-        test-cluster lint bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -59,13 +59,19 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: lint test-unit test-cluster test-image test-emulated ## every test tier (lint, unit, local cluster, images, emulated cluster)
+test: lint test-unit test-cluster test-image test-emulated test-gpu ## every test tier (lint, unit, local cluster, images, emulated cluster, GPU: skipped without CUDA)
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-cluster: setup ## jobs end to end on a throwaway local 2-node cluster via ray job submit
 	@$(PY) -m pytest tests/cluster $(PYTEST_ARGS)
+
+test-gpu: setup ## the GPU tier (tests/gpu): the jobs on CUDA, NCCL, Horovod's NCCL build, pipeline efficiency; skipped without CUDA
+	@$(PY) -m pytest tests/gpu -rs $(PYTEST_ARGS)
+
+stage-gpu: setup ## stage what a bare offline GPU machine lacks for the GPU tier into .gpu-stage (< 60 MiB; run there: scripts/gpu_tier.sh)
+	@scripts/stage_gpu.sh
 
 lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh

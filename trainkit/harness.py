@@ -334,9 +334,10 @@ def replica(arrays) -> str:
     return f"{socket.gethostname()} {digest(arrays)}"
 
 
-COUNTERS = {"epoch", "world_size", "device", "launcher", "train_iters", "val_iters",
+# the harness's own metrics; the rest are the job's
+COUNTERS = {"epoch", "world_size", "device", "launcher", "backend", "train_iters", "val_iters",
             "iters_per_epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s",
-            "validation_s", "epoch_s"}  # the harness's own metrics; the rest are the job's
+            "validation_s", "epoch_s", "gpu_memory_peak_mb"}
 
 
 def progress(job: str, epoch: int, epochs: int, metrics: dict) -> None:

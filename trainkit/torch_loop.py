@@ -55,6 +55,7 @@ class World:
         if launcher == "torchrun" and not dist.is_initialized():
             dist.init_process_group("nccl" if self.use_gpu else "gloo")
         self.grouped = dist.is_available() and dist.is_initialized()
+        self.backend = dist.get_backend() if self.grouped else "none"
         self.rank = dist.get_rank() if self.grouped else 0
         self.size = dist.get_world_size() if self.grouped else 1
         self.allreduce_s = 0.0
@@ -136,6 +137,7 @@ class HorovodWorld(World):
         self.use_gpu = want_gpu(use_gpu)
         hvd.init()
         self.rank, self.size, self.grouped = hvd.rank(), hvd.size(), True
+        self.backend = "horovod-nccl" if self.use_gpu and hvd.nccl_built() else "horovod-gloo"
         self.device = torch.device("cuda", hvd.local_rank()) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(self.device)
@@ -225,7 +227,9 @@ class TorchJob(Job):
             metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
                                  first_step)
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
-                           launcher=run.launcher)
+                           launcher=run.launcher, backend=world.backend)
+            if world.use_gpu:  # what the tutorial read off nvidia-smi, from the allocator itself
+                metrics["gpu_memory_peak_mb"] = torch.cuda.max_memory_allocated(world.device) / 2**20
             check = replicas(world.gather(replica(p.detach().cpu().numpy()
                                                   for p in model.state_dict().values())))
             if world.rank == 0:

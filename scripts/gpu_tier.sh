@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU tier on a bare GPU machine (its own Python and torch, no Ray, no network), from what
+# scripts/stage_gpu.sh staged: the staged wheels go into a temporary site, Horovod is compiled for
+# NCCL against this machine's torch and CUDA (for its GPU's architecture only), then tests/gpu
+# runs. Logs and the pipeline benchmark's JSON go to $OUT when set (else /tmp/dlc-gpu-out).
+#
+#   usage: scripts/gpu_tier.sh [DIR] [pytest args...]     DIR: default .gpu-stage
+#   GPU_PYTHON=python3   the Python environment that holds torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+die() { echo "gpu-tier: error: $*" >&2; exit 2; }
+
+dir=${1:-.gpu-stage}; shift || true
+py=${GPU_PYTHON:-python3}
+[ -d "$dir" ] || die "no $dir: run make stage-gpu where the package index is reachable, and carry it here"
+out=${OUT:-/tmp/dlc-gpu-out}
+mkdir -p "$out"
+"$py" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' \
+  || die "$py sees no CUDA device (torch $("$py" -c 'import torch; print(torch.__version__)'))"
+
+site=$(mktemp -d /tmp/dlc-gpu-site.XXXXXX)
+"$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$dir"/*.whl
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH
+export DLC_HOME=${DLC_HOME:-/tmp/dlc-gpu-home} DLC_CACHE=${DLC_CACHE:-/tmp/dlc-gpu-cache}
+
+# Horovod with NCCL, built here (a wheel built elsewhere does not load against this torch)
+mkdir -p "$DLC_CACHE/wheels/src"
+cp "$dir"/horovod-0.28.1.tar.gz "$DLC_CACHE/wheels/src/"
+prefix=$("$py" -c 'import sys; print(sys.prefix)')
+cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
+if wheel=$(HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=$cc scripts/build_horovod.sh --wheel-only "$prefix" \
+           2>"$out/horovod-build.err" | tail -n 1); then
+  "$py" -m pip install -q --no-index --no-deps --target "$site" "$wheel"
+  echo "gpu-tier: Horovod (NCCL, sm_$cc) from $wheel"
+else
+  echo "gpu-tier: Horovod did not build (see $out/horovod-build.err); its tests will be skipped"
+fi
+
+set -o pipefail
+"$py" -m pytest tests/gpu -v -s -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-tier.log"
