@@ -2,6 +2,7 @@
 manifest, resume, and bad input that fails fast with one line and touches no checkpoint."""
 
 import hashlib
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -81,6 +82,14 @@ def test_rerun_with_the_same_name_resumes(cluster, storage, trained):
     assert m["run"]["epochs"] == 2 and m["metrics"]["epoch"] == 2
 
 
+def snapshot(models):
+    """Every published file with its bytes, and where `current` points."""
+    if not models.exists():
+        return {}
+    files = {str(p.relative_to(models)): p.read_bytes() for p in sorted(models.rglob("*")) if p.is_file()}
+    return {**files, "current ->": os.readlink(models / "current")}
+
+
 def bad_inputs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -106,7 +115,7 @@ def test_bad_input_fails_fast_with_one_line(cluster, storage, trained, tmp_path,
     args, message = bad_inputs(tmp_path)[case]
     before = fingerprint(storage, trained)
     models = storage.parent / f"models-{trained}"
-    published = {p.name: p.read_bytes() for p in models.iterdir()} if models.exists() else {}
+    published = snapshot(models)
     proc = cluster.submit(JOB, *TINY, "--storage-path", str(storage), "--name", trained,
                           "--output", str(models), *args, timeout=240)
     assert proc.returncode != 0 and "failed" in proc.stdout
@@ -114,4 +123,4 @@ def test_bad_input_fails_fast_with_one_line(cluster, storage, trained, tmp_path,
     assert errors and message in errors[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout.split("Status message")[0]
     assert fingerprint(storage, trained) == before
-    assert {p.name: p.read_bytes() for p in models.iterdir()} == published
+    assert snapshot(models) == published
