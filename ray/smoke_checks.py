@@ -289,7 +289,9 @@ def check_model(job: str, model: Path, manifest_path: Path, world_size: int, cle
         problems.append(f"onnxruntime could not run the model: {type(e).__name__}: {e}"[:400])
     out.update(ok=not problems, problems=problems)
     if clean and not problems:
-        out["removed"] = remove_run(m, model.parent)
+        # the model sits in <output>/publications/<stamp>/: the run's model folder is <output>
+        output = model.parent.parent.parent if model.parent.parent.name == "publications" else model.parent
+        out["removed"] = remove_run(m, output)
     return out
 
 

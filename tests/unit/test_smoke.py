@@ -411,3 +411,28 @@ def test_a_head_without_cpus_takes_no_worker():
         n["cpus"] = 0
     with pytest.raises(smoke.StepFailed, match="no node in the description offers a CPU"):
         ctx.need_workers()
+
+
+def test_clean_removes_a_smoke_runs_model_folder_and_run_folder(tmp_path):
+    """--clean after a passing check: the smoke run's <output> (with its publications) and its
+    Ray Train run folder go; nothing named otherwise is touched."""
+    import torch
+
+    from trainkit.onnx_export import export_torch, verify_and_publish
+
+    name = "smoke-ddp-autoencoder-x"
+    output, storage = tmp_path / "models" / name, tmp_path / "runs"
+    (storage / name).mkdir(parents=True)
+    (storage / "other-run").mkdir()
+    model = torch.nn.Conv2d(3, 3, 1).eval()
+    x = torch.rand(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(x).numpy()
+    published = verify_and_publish(
+        export_torch(model, x, output), output, job="ddp_autoencoder", framework="torch",
+        inputs=x.numpy(), reference=ref, metrics={}, world_size=1,
+        extra={"run": {"name": name, "storage_path": str(storage)}})
+    out = smoke_checks.check_model("ddp_autoencoder", published.model, published.manifest_path, 1, clean=True)
+    assert out["ok"], out["problems"]
+    assert sorted(out["removed"]) == sorted([str(output), str(storage / name)])
+    assert not output.exists() and not (storage / name).exists() and (storage / "other-run").exists()
