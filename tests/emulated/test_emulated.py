@@ -74,7 +74,7 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     # the run's record on the shared storage says where its model went (DLC_STORAGE_PATH/<name>)
     record = json.loads(emulated.ssh("node-3", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
     model, manifest_path = record["model"], record["manifest"]
-    assert model == f"/srv/dlcluster/models/{name}/model.onnx"
+    assert model.startswith(f"/srv/dlcluster/models/{name}/publications/") and model.endswith("/model.onnx")
     assert "3 worker(s) on CPU" in proc.stdout
     # the model is on the shared storage: a worker node sees it
     assert emulated.ssh("node-3", "test", "-s", model).returncode == 0
