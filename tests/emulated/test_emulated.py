@@ -1,6 +1,7 @@
 """make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
-operator does with it: the README's job through the tunnel, make smoke, a second cluster-up, a
-node that goes down and comes back, bad inventories, cluster-down. In file order."""
+operator does with it: the README's job through the tunnel, a second cluster-up, a node that
+goes down and comes back, a node killed mid-run, the head's Ray restarted, make smoke (after
+those failures), a changed host key, bad inventories, cluster-down. In file order."""
 
 from __future__ import annotations
 
@@ -87,6 +88,30 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
 
 
+def test_second_cluster_up_changes_nothing(emulated):
+    again = emulated.cluster("up")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
+    hosts = recap(again.stdout)
+    assert set(hosts) == {"localhost", "bastion", *NODES}
+    assert {h: v["changed"] for h, v in hosts.items()} == {h: 0 for h in hosts}, hosts
+
+
+def test_a_node_that_is_down_is_named_and_nothing_is_changed(emulated):
+    docker = "/usr/bin/docker"
+    run([docker, "stop", "dlc-emu-node-3"], emulated.env, check=True)
+    try:
+        proc = emulated.cluster("up")
+        assert proc.returncode != 0
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("cluster-up: error:") and "node-3" in last and "unreachable" in last, last
+        assert "nothing was changed" in last
+        assert "PLAY [Nodes" not in proc.stdout
+    finally:
+        run([docker, "start", "dlc-emu-node-3"], emulated.env, check=True)
+    # the node boots, systemd starts dlc-ray, and it joins the head again without any help
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+
 def submit(emulated, *args: str, background: bool = False):
     """The README's `ray job submit` through the tunnel, with the job's flags."""
     cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
@@ -155,30 +180,6 @@ def test_smoke_passes_across_the_cluster(emulated, tmp_path):
     assert set(steps) >= {"nodes", "allreduce", "trainers", "proxyjump"}
     for name, step in steps.items():
         assert step["ok"] and not step.get("skipped"), (name, step)
-
-
-def test_second_cluster_up_changes_nothing(emulated):
-    again = emulated.cluster("up")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
-    hosts = recap(again.stdout)
-    assert set(hosts) == {"localhost", "bastion", *NODES}
-    assert {h: v["changed"] for h, v in hosts.items()} == {h: 0 for h in hosts}, hosts
-
-
-def test_a_node_that_is_down_is_named_and_nothing_is_changed(emulated):
-    docker = "/usr/bin/docker"
-    run([docker, "stop", "dlc-emu-node-3"], emulated.env, check=True)
-    try:
-        proc = emulated.cluster("up")
-        assert proc.returncode != 0
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith("cluster-up: error:") and "node-3" in last and "unreachable" in last, last
-        assert "nothing was changed" in last
-        assert "PLAY [Nodes" not in proc.stdout
-    finally:
-        run([docker, "start", "dlc-emu-node-3"], emulated.env, check=True)
-    # the node boots, systemd starts dlc-ray, and it joins the head again without any help
-    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
 
 
 def test_a_changed_host_key_is_refused(emulated, tmp_path):
