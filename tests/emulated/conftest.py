@@ -85,6 +85,8 @@ class Emulated:
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, None
+        except (urllib.error.URLError, ConnectionError, TimeoutError):  # the head is restarting
+            return 0, None
 
     def alive_nodes(self) -> list[str]:
         status, body = self.api("/api/v0/nodes?limit=100&detail=false", self.token())
