@@ -36,7 +36,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
-        test-cluster test-gpu stage-gpu lint bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -78,6 +78,9 @@ lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, the three trainers, ProxyJump
 	@$(PY) ray/smoke.py $(SMOKE_ARGS)
+
+bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
+	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench.py $(ARGS)
 
 bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the current cluster (its record)
 	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench_autoencoder.py $(ARGS)

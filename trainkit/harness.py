@@ -138,9 +138,14 @@ class Job:
         return None
 
     def stepped(self, run: Run, world) -> None:
-        """The loops call this after each start's first training step (rank 0 tells Attempts)."""
-        if world.rank == 0 and run.attempts is not None:
+        """The loops call this after each start's first training step: rank 0 tells Attempts on
+        Ray, and keeps the time itself under the other launchers (it publishes there)."""
+        if world.rank != 0:
+            return
+        if run.attempts is not None:
             run.attempts.first_step.remote(time.time())
+        else:
+            self.first_step_at = getattr(self, "first_step_at", None) or time.time()
 
     def say(self, message: str) -> None:
         say(self.name, message)
@@ -286,17 +291,23 @@ def alone(job: Job, args: argparse.Namespace, launcher: str) -> Published | None
 
 # ------------------------------------------------------------------ publishing
 def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: dict) -> Published:
-    """The final checkpoint -> a verified ONNX model + manifest in run.output."""
+    """The final checkpoint -> a verified ONNX model + manifest in run.output. The manifest's
+    timeline: when this run's first training step ended and how long export + verify took."""
+    t0 = time.perf_counter()
+    starts = again.get("attempts") or [{}]
+    first_step_at = starts[0].get("first_step_at") or getattr(job, "first_step_at", None)
     meta = read_meta(folder)
     world_size = meta["metrics"]["world_size"]  # after an elastic restart: the last epoch's
     inputs = job.held_out(config)
     output = Path(run_.output)
     staged, reference = job.export(folder, config, inputs, output)
+    export_s = time.perf_counter() - t0  # the parity check times itself (parity.seconds)
     published = verify_and_publish(
         staged, output, job=job.name, framework=job.framework, inputs=inputs, reference=reference,
         metrics=meta["metrics"], world_size=world_size, packages=job.packages,
         extra={"launcher": run_.launcher, **job.manifest(config, run_), **meta.get("replicas", {}),
                "restarts": again,
+               "timeline": {"first_step_at": first_step_at, "export_s": export_s},
                "run": {**{f.name: getattr(run_, f.name) for f in fields(run_) if f.name != "attempts"},
                        "checkpoint": where, "epochs_trained": meta["epoch"],
                        "signature": meta.get("signature", {}), "data": job.describe(config)}},

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -123,6 +124,7 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
     import onnx
     import onnxruntime as ort
 
+    t0 = time.perf_counter()
     onnx.checker.check_model(str(path))
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
@@ -136,7 +138,8 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
         raise ParityError(f"onnxruntime differs from the framework by {diff:.3g} "
                           f"(tolerance {tolerance:g}) on {len(inputs)} held-out samples")
     return {"max_abs_diff": diff, "tolerance": tolerance, "samples": int(len(inputs)),
-            "provider": "CPUExecutionProvider", "onnxruntime": ort.__version__}
+            "provider": "CPUExecutionProvider", "onnxruntime": ort.__version__,
+            "seconds": time.perf_counter() - t0}
 
 
 def git_commit() -> str:

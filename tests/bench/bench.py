@@ -1,0 +1,213 @@
+"""make bench: each job on Ray Train against its framework's own launcher, side by side.
+
+For each job, interleaved and repeated (the order alternates every repeat), the same model, data,
+workers (2) and threads per worker (1) run once under the plain launcher and once through
+`ray job submit` to the current cluster (its record):
+
+    ddp_autoencoder   torchrun --nproc_per_node 2          vs  TorchTrainer
+    horovod_mnist     horovodrun -np 2 --gloo               vs  HorovodTrainer (Train V1)
+    tf_cnn            2 processes with a TF_CONFIG each     vs  TensorflowTrainer
+
+Each run reports (from its manifest; the launch time is taken here): launch to first step,
+the last epoch's training pass (epochs 2 and on; epoch 1 warms up), its validation, export +
+verify, and the whole run's wall time. Printed: min/median/max per launcher and the ratios of
+the medians (Ray / plain); written: a JSON file and a PNG plot.
+
+    python tests/bench/bench.py [--jobs ddp_autoencoder,...] [--repeats 3] [--epochs 2] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainkit import record
+from trainkit.errors import UserError, run_main
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PHASES = ("launch_to_first_step_s", "train_epoch_s", "validation_s", "export_verify_s", "wall_s")
+JOBS = {  # the job's flags for a short run of each (the same under both launchers)
+    "ddp_autoencoder": ["--batch-size", "128"],
+    "horovod_mnist": ["--batch-size", "64"],
+    "tf_cnn": ["--batch-size", "8", "--per-class", "64"],
+}
+ENV = {"OMP_NUM_THREADS": "1"}  # one thread per worker, as Ray gives each of its workers
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def plain(job: str, args: list[str], home: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, **ENV, "DLC_HOME": str(home)}
+    env.pop("RAY_ADDRESS", None)
+
+    def start(cmd, extra=None):
+        return subprocess.Popen(cmd, cwd=REPO, env={**env, **(extra or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    if job == "ddp_autoencoder":
+        return [start([str(BIN / "torchrun"), "--nproc_per_node", "2", f"jobs/{job}.py", *args])]
+    if job == "horovod_mnist":
+        return [start([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+                       sys.executable, f"jobs/{job}.py", *args])]
+    hosts = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    return [start([sys.executable, f"jobs/{job}.py", *args], {"TF_CONFIG": json.dumps(
+        {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}) for i in range(2)]
+
+
+def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[subprocess.Popen]:
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", current.job_api, "--working-dir", ".",
+           "--", "python", f"jobs/{job}.py", "--num-workers", "2", *args]
+    return [subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **current.client_env()},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+
+
+def measure(job: str, launcher: str, a, current, work: Path, i: int) -> dict:
+    name = f"bench-{job.replace('_', '-')}-{launcher}-{i}-{time.strftime('%H%M%S')}"
+    out = work / "models" / name
+    args = [*JOBS[job], "--epochs", str(a.epochs), "--name", name,
+            "--storage-path", str(work / "runs"), "--output", str(out)]
+    t0 = time.time()
+    procs = plain(job, args, work) if launcher == "plain" else on_ray(job, args, current)
+    logs = [p.communicate()[0] for p in procs]
+    wall = time.time() - t0
+    if any(p.returncode for p in procs):
+        raise UserError(f"{job} under {launcher} failed:\n" + "\n".join(log[-2000:] for log in logs))
+    m = json.loads((out / "manifest.json").read_text())
+    metrics = m["metrics"]
+    return {"launch_to_first_step_s": m["timeline"]["first_step_at"] - t0,
+            "train_epoch_s": metrics["dataflow_s"] + metrics["processing_s"],
+            "validation_s": metrics["validation_s"],
+            "export_verify_s": m["timeline"]["export_s"] + m["parity"]["seconds"],
+            "wall_s": wall, "samples_per_s": metrics["samples_per_s"],
+            "world_size": m["world_size"], "launcher": m["launcher"]}
+
+
+def summarize(runs: dict) -> dict:
+    out = {}
+    for job, by_launcher in runs.items():
+        stats = {launcher: {k: {"min": min(r[k] for r in rs), "median": statistics.median(r[k] for r in rs),
+                                "max": max(r[k] for r in rs)} for k in PHASES}
+                 for launcher, rs in by_launcher.items()}
+        ratios = {k: stats["ray"][k]["median"] / stats["plain"][k]["median"] for k in PHASES}
+        out[job] = {"stats": stats, "ratio_ray_over_plain": ratios, "repeats": len(by_launcher["ray"])}
+    return out
+
+
+def table(summary: dict) -> str:
+    plain_name = {"ddp_autoencoder": "torchrun", "horovod_mnist": "horovodrun", "tf_cnn": "TF_CONFIG"}
+    lines = ["| job | measure | plain launcher (min / median / max s) | Ray Train (min / median / max s) "
+             "| Ray / plain |", "|---|---|---|---|---|"]
+    for job, s in summary.items():
+        for k in PHASES:
+            p, r = s["stats"]["plain"][k], s["stats"]["ray"][k]
+            lines.append(f"| {job} ({plain_name[job]}) | {k[:-2]} | {p['min']:.1f} / {p['median']:.1f} / "
+                         f"{p['max']:.1f} | {r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f} | "
+                         f"{s['ratio_ray_over_plain'][k]:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot_site() -> Path:
+    """matplotlib, pinned in tests/bench/requirements.txt, kept out of the project's environment
+    (only the benchmark plots): installed once under $DLC_CACHE, keyed by those pins."""
+    reqs = Path(__file__).with_name("requirements.txt")
+    key = hashlib.sha256(reqs.read_bytes() + sys.version.encode()).hexdigest()[:16]
+    site = Path(os.environ.get("DLC_CACHE", "~/.cache/dlcluster")).expanduser() / f"bench-plot-{key}"
+    if not (site / ".complete").exists():
+        tmp = Path(tempfile.mkdtemp(prefix=site.name, dir=site.parent if site.parent.exists() else None))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+                        "-r", str(reqs)], check=True)
+        (tmp / ".complete").touch()
+        site.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(site)
+    return site
+
+
+def plot(summary: dict, path: Path) -> None:
+    sys.path.insert(0, str(plot_site()))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4.5), squeeze=False)
+    for ax, (job, s) in zip(axes[0], summary.items(), strict=True):
+        xs = range(len(PHASES))
+        for offset, launcher, colour in ((-0.2, "plain", "tab:blue"), (0.2, "ray", "tab:orange")):
+            st = s["stats"][launcher]
+            med = [st[k]["median"] for k in PHASES]
+            err = [[m - st[k]["min"] for m, k in zip(med, PHASES, strict=True)],
+                   [st[k]["max"] - m for m, k in zip(med, PHASES, strict=True)]]
+            ax.bar([x + offset for x in xs], med, 0.4, yerr=err, capsize=3, color=colour,
+                   label="Ray Train" if launcher == "ray" else "plain launcher")
+        for x, k in zip(xs, PHASES, strict=True):
+            top = max(s["stats"][launcher][k]["max"] for launcher in ("plain", "ray"))
+            ax.annotate(f"{s['ratio_ray_over_plain'][k]:.2f}x", (x, top), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_xticks(list(xs), [k[:-2].replace("_", "\n") for k in PHASES], fontsize=8)
+        ax.set_ylabel("seconds (median, min-max)")
+        ax.set_title(f"{job} ({s['repeats']} repeats)")
+        ax.legend(fontsize=8)
+    fig.suptitle("Ray Train vs the plain launcher: same model, data, 2 workers x 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated jobs")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
+    p.add_argument("--limit", type=int, default=None, help="autoencoder frames (default: all 6472)")
+    p.add_argument("--out", default=None, help="folder for bench.json and bench.png "
+                                               "(default: $DLC_HOME/bench/<date-time>)")
+    a = p.parse_args(argv)
+    jobs = [j for j in a.jobs.split(",") if j]
+    unknown = set(jobs) - set(JOBS)
+    if unknown or a.repeats < 1 or a.epochs < 1:
+        raise UserError(f"--jobs must name some of {', '.join(JOBS)} and --repeats/--epochs be >= 1")
+    if a.limit:
+        JOBS["ddp_autoencoder"] = [*JOBS["ddp_autoencoder"], "--limit", str(a.limit)]
+    current = record.load()  # the cluster `make cluster-up` brought up, wherever its job API is
+    out = Path(a.out) if a.out else (Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
+                                     / "bench" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict = {job: {"plain": [], "ray": []} for job in jobs}
+    with tempfile.TemporaryDirectory(prefix="dlc-bench-") as tmp:
+        for i in range(a.repeats):
+            for job in jobs:
+                order = ("plain", "ray") if i % 2 == 0 else ("ray", "plain")
+                for launcher in order:
+                    print(f"[bench] repeat {i + 1}/{a.repeats}: {job} under {launcher} ...", flush=True)
+                    r = measure(job, launcher, a, current, Path(tmp), i)
+                    runs[job][launcher].append(r)
+                    print(f"[bench]   first step after {r['launch_to_first_step_s']:.1f} s, epoch "
+                          f"{r['train_epoch_s']:.1f} s, wall {r['wall_s']:.1f} s", flush=True)
+    summary = summarize(runs)
+    text = table(summary)
+    print("\n" + text)
+    (out / "bench.json").write_text(json.dumps({"cluster": current.name, "epochs": a.epochs,
+                                                "summary": summary, "runs": runs}, indent=2) + "\n")
+    plot(summary, out / "bench.png")
+    print(f"\n[bench] {out / 'bench.json'}\n[bench] {out / 'bench.png'}")
+
+
+if __name__ == "__main__":
+    run_main(main, "bench")

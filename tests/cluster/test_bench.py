@@ -1,0 +1,31 @@
+"""make bench's code path at tiny size on the fixture cluster (found through its record): both
+launchers run, the ratios, the JSON and the PNG come out. The real figures are in README."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
+    env = {**cluster.env, "PYTHONPATH": str(REPO), "DLC_HOME": str(tmp_path)}
+    env.pop("DASHBOARD_PORT", None)  # the record says where the job API is
+    cmd = [sys.executable, "tests/bench/bench.py", "--jobs", "ddp_autoencoder", "--repeats", "1",
+           "--epochs", "1", "--limit", "300", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-4000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    s = report["summary"]["ddp_autoencoder"]
+    assert s["repeats"] == 1 and report["cluster"] == "local"
+    for launcher, want in (("plain", "torchrun"), ("ray", "ray")):
+        (run,) = report["runs"]["ddp_autoencoder"][launcher]
+        assert run["launcher"] == want and run["world_size"] == 2
+        assert 0 < run["launch_to_first_step_s"] < run["wall_s"] and run["train_epoch_s"] > 0
+    for k, ratio in s["ratio_ray_over_plain"].items():
+        assert ratio > 0, k
+    assert "| ddp_autoencoder (torchrun) | wall |" in proc.stdout
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(tmp_path / "out" / "bench.png") > 10_000
