@@ -68,3 +68,18 @@ def world_from_env(launcher: str, env: dict | None = None) -> tuple[int, int, in
         raise UserError(f"{launcher}'s environment is incomplete or malformed ({e!r}); start the "
                         f"job with {launcher} itself, or pass --launcher local") from None
     return 0, 1, 0
+
+
+def local_tf_configs(workers: int) -> list[str]:
+    """A TF_CONFIG for each of `workers` processes on this machine (free loopback ports): what
+    MultiWorkerMirroredStrategy needs to train across them without Ray."""
+    import socket
+
+    socks = [socket.socket() for _ in range(workers)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    hosts = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+    return [json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})
+            for i in range(workers)]

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit import record
+from trainkit import launch, record
 from trainkit.errors import UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,16 +41,6 @@ JOBS = {  # the job's flags for a short run of each (the same under both launche
     "tf_cnn": ["--batch-size", "8", "--per-class", "64"],
 }
 ENV = {"OMP_NUM_THREADS": "1"}  # one thread per worker, as Ray gives each of its workers
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def plain(job: str, args: list[str], home: Path) -> list[subprocess.Popen]:
@@ -67,9 +56,8 @@ def plain(job: str, args: list[str], home: Path) -> list[subprocess.Popen]:
     if job == "horovod_mnist":
         return [start([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
                        sys.executable, f"jobs/{job}.py", *args])]
-    hosts = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    return [start([sys.executable, f"jobs/{job}.py", *args], {"TF_CONFIG": json.dumps(
-        {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}) for i in range(2)]
+    return [start([sys.executable, f"jobs/{job}.py", *args], {"TF_CONFIG": tf_config})
+            for tf_config in launch.local_tf_configs(2)]
 
 
 def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[subprocess.Popen]:

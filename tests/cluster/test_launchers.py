@@ -2,13 +2,13 @@
 baseline the PyTorch DDP tutorial shows) and MultiWorkerMirroredStrategy from a TF_CONFIG per
 process. Each publishes a verified model whose manifest has the same fields as the Ray path's."""
 
-import json
 import os
-import socket
 import subprocess
 import sys
 
 from conftest import BIN, REPO, read_manifest
+
+from trainkit import launch
 
 AE_TINY = ["--image-size", "40x60", "--batch-size", "8", "--limit", "60"]
 
@@ -48,23 +48,11 @@ def test_torchrun_two_processes_train_publish_and_resume(cluster, tmp_path):
     assert r["launcher"] == "ray"
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_tf_config_two_workers_without_ray(tmp_path):
     """MultiWorkerMirroredStrategy from TF_CONFIG, one process per worker, as TF's docs start it."""
-    hosts = [f"127.0.0.1:{p}" for p in free_ports(2)]
     procs = []
-    for i in range(2):
-        config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}
-        env = {**plain_env(tmp_path), "TF_CONFIG": json.dumps(config)}
+    for tf_config in launch.local_tf_configs(2):
+        env = {**plain_env(tmp_path), "TF_CONFIG": tf_config}
         procs.append(subprocess.Popen(
             [sys.executable, "jobs/tf_cnn.py", "--per-class", "24", "--epochs", "1",
              "--batch-size", "8", "--name", "tfc"], cwd=REPO, env=env,

@@ -87,6 +87,14 @@ def test_a_launcher_the_job_cannot_run_under_is_one_line():
                       {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"})
 
 
+def test_local_tf_configs_describe_one_cluster_of_distinct_workers():
+    configs = [json.loads(c) for c in launch.local_tf_configs(3)]
+    hosts = configs[0]["cluster"]["worker"]
+    assert len(set(hosts)) == 3 and all(c["cluster"]["worker"] == hosts for c in configs)
+    ranks = [launch.world_from_env("tf_config", {"TF_CONFIG": json.dumps(c)}) for c in configs]
+    assert ranks == [(0, 3, 0), (1, 3, 0), (2, 3, 0)]
+
+
 def test_ranks_from_each_launcher():
     assert launch.world_from_env("torchrun", {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
     tf = {"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 1}}
