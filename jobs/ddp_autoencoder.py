@@ -92,7 +92,7 @@ class DDPAutoencoder(TorchJob):
         return loss, {"loss": loss * len(x)}
 
     def held_out(self, config: dict) -> np.ndarray:
-        return data.FrameDataset(config["source"]).floats(config["val"][:16])
+        return data.frames_at(config["source"], config["val"][:16])
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def parse_size(text: str, multiple: int = 1) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- built-in frames
-def builtin_frames(count: int = BUILTIN_FRAMES, size: tuple[int, int] = (120, 160)) -> np.ndarray:
-    """`count` frames (N x H x W x 3, uint8) of a slow camera pan over real photographs.
+def builtin_frames(count: int = BUILTIN_FRAMES, size: tuple[int, int] = (120, 160),
+                   indices: list[int] | None = None) -> np.ndarray:
+    """`count` frames (N x H x W x 3, uint8) of a slow camera pan over real photographs; with
+    `indices`, only those of the `count` frames (the same pixels, without making the rest).
 
     The photographs are the two that scikit-learn ships (`load_sample_images`: a temple in
     China and a flower), so nothing is downloaded. Like frames of a video, neighbours overlap.
@@ -57,8 +59,9 @@ def builtin_frames(count: int = BUILTIN_FRAMES, size: tuple[int, int] = (120, 16
         xs = np.linspace(0, photo.shape[1] - w, cols).round().astype(int)
         # a raster pan: left to right, then right to left on the next row, like a camera sweep
         path = [(y, x) for i, y in enumerate(ys) for x in (xs if i % 2 == 0 else xs[::-1])]
-        frames += [photo[y : y + h, x : x + w] for y, x in path[:per_photo]]
-    return np.stack(frames[:count])
+        frames += [(photo, y, x) for y, x in path[:per_photo]]
+    chosen = frames[:count] if indices is None else [frames[:count][i] for i in indices]
+    return np.stack([photo[y : y + h, x : x + w] for photo, y, x in chosen])
 
 
 # ---------------------------------------------------------------- sources on disk
@@ -168,6 +171,19 @@ class FrameDataset:
     def floats(self, indices: list[int]) -> np.ndarray:
         """Frames as float32 in [0, 1] (N x 3 x H x W): the model's input."""
         return np.stack([self[i] for i in indices]).astype(np.float32) / 255.0
+
+
+def frames_at(source: FrameSource, indices: list[int]) -> np.ndarray:
+    """A few frames of a source as the model's input (float32 N x 3 x H x W in [0, 1]), without
+    building the whole set (the ONNX check on the driver needs 16, not 6472)."""
+    if source.kind == "builtin":
+        chosen = builtin_frames(source.count, source.size, indices)
+    elif source.kind == "folder":
+        files = list_images(Path(source.path))[: source.count]
+        chosen = np.stack([load_image(files[i], source.size) for i in indices])
+    else:
+        chosen = read_video(Path(source.path), source.size, max(indices) + 1)[indices]
+    return np.ascontiguousarray(chosen.transpose(0, 3, 1, 2)).astype(np.float32) / 255.0
 
 
 def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:

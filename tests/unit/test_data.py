@@ -111,3 +111,12 @@ def test_user_error_is_found_inside_wrapped_errors():
     except RuntimeError as outer:
         assert find_user_error(outer) is inner
     assert find_user_error(RuntimeError("plain")) is None
+
+
+def test_a_few_frames_without_building_the_set(tmp_path):
+    """frames_at gives exactly the data set's frames, for each kind of source."""
+    write_images(tmp_path / "imgs", 7)
+    builtin = data.inspect_frames(None, (40, 60), 300)
+    for source in (builtin, data.inspect_frames(str(tmp_path / "imgs"), (40, 60))):
+        picks = [5, 0, 3]
+        assert np.array_equal(data.frames_at(source, picks), data.FrameDataset(source).floats(picks))
