@@ -177,6 +177,20 @@ def test_after_the_heads_ray_restarts_the_workers_rejoin_and_a_new_job_trains(em
     assert m["world_size"] == 3 and m["restarts"]["count"] == 0
 
 
+def test_a_storage_path_only_the_head_has_is_one_line_before_training(emulated):
+    """/var/tmp is each node's own disk: checkpoints there would be scattered over the nodes."""
+    proc = submit(emulated, "--storage-path", "/var/tmp/dlc-not-shared", "--limit", "300",
+                  "--image-size", "40x60", "--batch-size", "16", background=True)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("ddp_autoencoder: error: ")]
+    assert errors and errors[0] == (
+        "ddp_autoencoder: error: --storage-path /var/tmp/dlc-not-shared is not shared: node(s) "
+        "172.31.251.12, 172.31.251.13 do not see it; use storage every node mounts (the cluster's "
+        "$DLC_STORAGE_PATH, NFS) or a URI such as s3://bucket/runs"), out[-3000:]
+    assert "RayTrainWorker" not in out  # refused before any worker started
+
+
 def test_smoke_passes_across_the_cluster(emulated, tmp_path):
     report = tmp_path / "smoke.json"
     proc = run(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"], emulated.env,
