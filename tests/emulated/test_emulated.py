@@ -134,7 +134,8 @@ def published(emulated, name: str) -> dict:
 
 def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
     """`docker kill` a worker node mid-epoch 2 of an elastic run: the run finishes on the two nodes
-    left, from epoch 1's checkpoint; the node comes back and its Ray rejoins by itself."""
+    left, from epoch 1's checkpoint; the node comes back and its Ray rejoins by itself. Run with
+    -s to see the recovery time."""
     name = f"killed-{int(time.time())}"
     proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", "3", "--limit", "1500",
                   "--image-size", "60x80", "--batch-size", "16", background=True)
@@ -158,10 +159,12 @@ def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
         assert proc.returncode == 0 and "succeeded" in out, out[-3000:]
         m = published(emulated, name)
         assert m["restarts"]["count"] >= 1 and m["restarts"]["resumed_after_epochs"][0] >= 1
-        assert m["world_size"] == 2 and "node-3" not in m["replica_hosts"]
+        # the restarted group runs on the nodes left (as many workers as fit there, up to 3)
+        assert set(m["replica_hosts"]) <= {"node-1", "node-2"} and m["world_size"] >= 2
         assert m["metrics"]["epoch"] == 3 and m["parity"]["max_abs_diff"] <= 1e-4
         first = m["restarts"]["attempts"][1]["first_step_at"]
-        print(f"recovery after docker kill: {first - killed_at:.1f} s to the first step on 2 nodes")
+        print(f"recovery after docker kill: {first - killed_at:.1f} s to the first step on the "
+              f"{m['world_size']} workers left on node-1 and node-2")
     finally:
         run([docker, "start", "dlc-emu-node-3"], emulated.env, check=True)
     assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
