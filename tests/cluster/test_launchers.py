@@ -48,16 +48,34 @@ def test_torchrun_two_processes_train_publish_and_resume(cluster, tmp_path):
     assert r["launcher"] == "ray"
 
 
-def test_tf_config_two_workers_without_ray(tmp_path):
-    """MultiWorkerMirroredStrategy from TF_CONFIG, one process per worker, as TF's docs start it."""
+def start_tf_workers(tmp_path, name: str) -> list[subprocess.Popen]:
     procs = []
     for tf_config in launch.local_tf_configs(2):
         env = {**plain_env(tmp_path), "TF_CONFIG": tf_config}
         procs.append(subprocess.Popen(
             [sys.executable, "jobs/tf_cnn.py", "--per-class", "24", "--epochs", "1",
-             "--batch-size", "8", "--name", "tfc"], cwd=REPO, env=env,
+             "--batch-size", "8", "--name", name], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return procs
+
+
+def test_tf_config_two_workers_without_ray(tmp_path):
+    """MultiWorkerMirroredStrategy from TF_CONFIG, one process per worker, as TF's docs start it.
+
+    The ports are picked free and then handed to TF, so another process (the fixture cluster's
+    Ray opens many) can take one in between, and the workers' rendezvous then waits for ever:
+    a rendezvous stuck for 5 minutes is killed and tried once more on fresh ports, and said."""
+    for attempt in (1, 2):
+        procs = start_tf_workers(tmp_path, "tfc")
+        try:
+            outs = [p.communicate(timeout=300)[0] for p in procs]
+            break
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.communicate()
+            assert attempt == 1, "the two TF_CONFIG workers hung twice"
+            print("the TF_CONFIG workers' rendezvous hung; trying again on fresh ports")
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     m = read_manifest(tmp_path / "models" / "tfc")
     assert m["launcher"] == "tf_config" and m["strategy"] == "multiworker" and m["world_size"] == 2
