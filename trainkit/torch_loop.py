@@ -115,7 +115,7 @@ class World:
         ddp.register_comm_hook(None, timed)
         return ddp, optimizer
 
-    def step(self, optimizer, timer: PhaseTimer) -> None:
+    def step(self, optimizer) -> None:
         optimizer.step()
 
     def take_allreduce_s(self) -> float:
@@ -165,7 +165,7 @@ class HorovodWorld(World):
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         return model, optimizer
 
-    def step(self, optimizer, timer: PhaseTimer) -> None:
+    def step(self, optimizer) -> None:
         # Horovod all-reduces each gradient as backward produces it; synchronize() waits for all.
         t0 = time.perf_counter()
         optimizer.synchronize()
@@ -217,13 +217,13 @@ class TorchJob(Job):
         if start is None:
             return
         wrapped, optimizer = world.wrap(model, optimizer)
-        first_step = _once(lambda: self.stepped(run, world))
         train_set, val_set = self.datasets(config)
         train = self.loader(train_set, run.batch_size, world, shuffle=True)
         val = self.loader(val_set, run.batch_size, world, shuffle=False)
         for epoch in range(start, run.epochs):
             if world.size > 1:
                 train.sampler.set_epoch(epoch)
+            first_step = (lambda: self.stepped(run, world)) if epoch == start else None
             metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
                                  first_step)
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
@@ -295,7 +295,7 @@ class TorchJob(Job):
                 if optimizer is not None:
                     optimizer.zero_grad()
                     loss.backward()
-                    world.step(optimizer, timer)
+                    world.step(optimizer)
                 for k, v in stats.items():
                     sums[k] = sums[k] + v.detach() if k in sums else v.detach().double()
             if i == 1 and first_step is not None:
@@ -333,14 +333,3 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, list | tuple):
         return type(batch)(b.to(device, non_blocking=True) for b in batch)
     return batch.to(device, non_blocking=True)
-
-
-
-def _once(fn):
-    done = []
-
-    def call():
-        if not done:
-            done.append(fn())
-
-    return call
