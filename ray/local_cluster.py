@@ -166,14 +166,17 @@ def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], logs: str,
             nodes = [n for n in ray.nodes() if n["Alive"]]
             # A node takes jobs once its dashboard agent has registered (else the job API
             # answers "No available agent to submit job").
-            agents = sum(1 for n in nodes if _internal_kv_get(
-                DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX + n["NodeID"], namespace=KV_NAMESPACE_DASHBOARD))
-            if len(nodes) >= expected and agents >= expected:
+            # An agent whose HTTP port is taken stays alive but never registers: its
+            # dashboard_agent.log says "Failed to start HTTP server".
+            missing = [n["NodeManagerHostname"] for n in nodes if not _internal_kv_get(
+                DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX + n["NodeID"], namespace=KV_NAMESPACE_DASHBOARD)]
+            if len(nodes) >= expected and not missing:
                 return nodes
             if time.time() > deadline:
-                fail(f"{len(nodes)} of {expected} nodes joined and {agents} agents registered "
-                     f"within {timeout:.0f} s; see the logs under {logs}/*/session_latest/logs, "
-                     f"then `make cluster-down`")
+                fail(f"{len(nodes)} of {expected} nodes joined within {timeout:.0f} s, and the "
+                     f"dashboard agent of {', '.join(missing) or 'none'} did not register; see "
+                     f"dashboard_agent.log under {logs}/*/session_latest/logs, then "
+                     f"`make cluster-down`")
             time.sleep(1)
     finally:
         ray.shutdown()
@@ -212,13 +215,13 @@ def up(a: argparse.Namespace) -> None:
     run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
              "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
              "--ray-client-server-port", str(free_port()),
-             "--dashboard-agent-listen-port", str(free_port()),
+             "--dashboard-agent-listen-port", "0",
              "--temp-dir", f"{temp_root}/head",
              *common], env)
     for i in range(1, a.nodes):
         print(f"starting worker node {i} ({cpus} CPUs, no GPUs)", flush=True)
         run_ray(["start", "--address", gcs, "--temp-dir", f"{temp_root}/node{i}",
-                 "--dashboard-agent-listen-port", str(free_port()), "--num-gpus", "0",
+                 "--dashboard-agent-listen-port", "0", "--num-gpus", "0",
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
