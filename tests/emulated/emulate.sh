@@ -15,6 +15,8 @@
 #
 # Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
 # public 172.31.250.0/24 (bastion .10), private 172.31.251.0/24 (bastion .10, node-N .1N).
+# The bastion answers ssh on 22 (ops, with sudo: it runs the package proxy) and on 2222 (jump,
+# no sudo: a jump host only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -45,10 +47,22 @@ block_host() {  # the host reaches the private network only through the bastion
     || iptables -I OUTPUT -o "$PRIV_BRIDGE" -j REJECT
 }
 
-install_key() {  # $1 container: authorize the run-time key for `ops`, as first-boot scripts do
-  "$DOCKER" exec -i "$1" sh -c 'install -d -m 700 -o ops -g ops ~ops/.ssh &&
-    cat >~ops/.ssh/authorized_keys && chown ops:ops ~ops/.ssh/authorized_keys &&
-    chmod 600 ~ops/.ssh/authorized_keys' <"$KEYDIR/id_ed25519.pub"
+install_key() {  # $1 container [$2 user, ops]: authorize the run-time key, as first-boot scripts do
+  # shellcheck disable=SC2016  # expanded by the container's shell
+  "$DOCKER" exec -i "$1" sh -c 'u=$0 && h=$(getent passwd "$u" | cut -d: -f6) &&
+    install -d -m 700 -o "$u" -g "$u" "$h/.ssh" && cat >"$h/.ssh/authorized_keys" &&
+    chown "$u:$u" "$h/.ssh/authorized_keys" && chmod 600 "$h/.ssh/authorized_keys"' "${2:-ops}" \
+    <"$KEYDIR/id_ed25519.pub"
+}
+
+# The bastion also as many sites run theirs: sshd on port 2222 too, and a `jump` login with no
+# sudo (another team's jump host). The inventory picks which way in it uses.
+jump_host() {
+  "$DOCKER" exec dlc-emu-bastion sh -c 'id jump >/dev/null 2>&1 || useradd --create-home --shell /bin/bash jump
+    if [ ! -f /etc/ssh/sshd_config.d/ports.conf ]; then
+      printf "Port 22\nPort 2222\n" >/etc/ssh/sshd_config.d/ports.conf && systemctl restart ssh
+    fi'
+  install_key dlc-emu-bastion jump
 }
 
 wait_sshd() {  # $1 container
@@ -99,6 +113,7 @@ up() {
     wait_sshd "$c"
     install_key "$c"
   done
+  jump_host
   # New containers are new machines with new host keys: forget the old ones in the cluster's
   # known_hosts (any other host key change is still refused there).
   local kh=$CONFIG/clusters/emulated/known_hosts

@@ -262,6 +262,75 @@ def test_bad_input_is_one_line_and_touches_no_node(emulated, tmp_path, name, edi
         assert "unreachable" in last and "172.31.250.99" in last
 
 
+# The bastion as another team runs it: sshd on 2222, a `jump` login with no sudo (emulate.sh).
+# The inventory's folder is `emulated` too: the same cluster (its known_hosts, record, tunnel).
+JUMP = EMULATED.replace("""        bastion:
+          ansible_host: 172.31.250.10
+""", """        bastion:
+          ansible_host: 172.31.250.10
+          ansible_port: 2222
+          ansible_user: jump
+""")
+
+
+def _jump_inventory(tmp_path: Path, settings: str) -> Path:
+    text = JUMP.replace("    ray_object_store_memory:", settings + "    ray_object_store_memory:")
+    assert text != JUMP and "ansible_port: 2222" in text
+    return _inventory(tmp_path, "emulated", text)
+
+
+def test_a_service_asked_of_a_bastion_without_sudo_is_one_line_first(emulated, tmp_path):
+    proc = emulated.cluster("up", _jump_inventory(tmp_path, ""), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error: bastion: the package proxy on the bastion "
+                           "(dlc_bastion_apt_proxy: true) needs root there, but jump has no sudo"), last
+    assert "dlc_bastion_apt_proxy: false" in last and "dlc_apt_proxy" in last
+    assert "PLAY [Bastion" not in proc.stdout and "PLAY [Nodes" not in proc.stdout
+
+
+def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tmp_path):
+    """No proxy anywhere, and the private network has no route out."""
+    proc = emulated.cluster("up", _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"),
+                            timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error: node-1, node-2, node-3 cannot reach their package "
+                           "mirrors directly (no proxy is set) (node-1, node-2, node-3: direct to "
+                           "deb.debian.org:80: "), last
+    assert "set dlc_bastion_apt_proxy: true" in last and last.endswith("nothing was changed on any node")
+    assert "PLAY [Nodes" not in proc.stdout
+    # the proxy an earlier run set is still in place: nothing on the nodes was touched
+    assert emulated.ssh("node-2", "test", "-f", "/etc/apt/apt.conf.d/01dlcluster-proxy").returncode == 0
+
+
+def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulated, tmp_path):
+    """No service asked of the bastion: cluster-up runs nothing on it (no facts, no become), only
+    connects through it; the nodes take their packages from a site proxy (here: the proxy the
+    default inventory runs on the bastion). A second run changes nothing."""
+    inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
+                                          "    dlc_apt_proxy: http://172.31.251.10:3142\n")
+    try:
+        first = emulated.cluster("up", inventory)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+        hosts = recap(first.stdout)
+        assert set(hosts) == {"localhost", *NODES}, hosts  # the bastion is not in any play
+        assert "PLAY [Bastion" in first.stdout and "skipping: no hosts matched" in first.stdout
+        assert all(hosts[n]["changed"] == 0 for n in NODES), hosts
+        config = emulated.ssh_config.read_text()
+        assert "Port 2222" in config and "User jump" in config
+        assert "[172.31.250.10]:2222" in (emulated.cluster_dir / "known_hosts").read_text()
+        again = emulated.cluster("up", inventory)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+        assert {h: v["changed"] for h, v in recap(again.stdout).items()} == \
+            {h: 0 for h in ("localhost", *NODES)}
+        assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+    finally:
+        emulated.cluster("up")  # the default way in again, for the tests after this one
+
+
 def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):
     proc = emulated.cluster("down", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr

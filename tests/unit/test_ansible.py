@@ -3,7 +3,9 @@ log, the playbooks' syntax against both inventories, and the README naming every
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import socket
 import subprocess
 import sys
 import tomllib
@@ -18,6 +20,7 @@ sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import ansible_failure  # noqa: E402
+import dlc_preflight  # noqa: E402
 import dlc_ssh  # noqa: E402
 
 KEY, KH = "/home/u/.ssh/id_ed25519", "/home/u/.config/dlcluster/clusters/lab/known_hosts"
@@ -177,3 +180,83 @@ def test_ray_unit_requires_the_shared_storage_mount():
     assert any(line.startswith("After=") and "srv-data.mount" in line for line in lines)
     start = next(line for line in lines if line.startswith("ExecStart=/usr/bin/docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
+
+
+def _probe():
+    """The package-source probe cluster-up runs on every node (roles/control/files)."""
+    path = ANSIBLE / "roles/control/files/package_source.py"
+    spec = importlib.util.spec_from_file_location("package_source", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_reads_every_kind_of_apt_source_and_the_sites_proxy(tmp_path):
+    probe = _probe()
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "apt.conf.d").mkdir()
+    (tmp_path / "sources.list").write_text(
+        "# a comment\ndeb http://deb.debian.org/debian bookworm main\n"
+        "deb [signed-by=/k.gpg] https://download.docker.com/linux/debian bookworm stable\n"
+        "deb-src http://deb.debian.org/debian bookworm main\ndeb cdrom:[Debian]/ bookworm main\n")
+    (tmp_path / "sources.list.d/debian.sources").write_text(
+        "Types: deb\nURIs: http://security.debian.org/debian-security http://mirror.lab:8080/d\n")
+    assert probe.mirrors(str(tmp_path)) == [("deb.debian.org", 80), ("download.docker.com", 443),
+                                            ("security.debian.org", 80), ("mirror.lab", 8080)]
+    # cluster-up's own proxy file is not the site's (the run replaces or removes it)
+    (tmp_path / "apt.conf.d/01dlcluster-proxy").write_text('Acquire::http::Proxy "http://10.0.0.10:3142";\n')
+    assert probe.site_proxy(str(tmp_path)) is None
+    (tmp_path / "apt.conf.d/80site").write_text('// the site\nAcquire::http::Proxy "http://proxy.lab:3128";\n')
+    assert probe.site_proxy(str(tmp_path)) == "http://proxy.lab:3128"
+
+
+def test_probe_tells_an_answering_port_from_a_refused_and_an_unknown_one(tmp_path):
+    probe = _probe()
+    server = socket.create_server(("127.0.0.1", 0))
+    open_port = server.getsockname()[1]
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        assert probe.check(f"http://127.0.0.1:{open_port}", False, str(tmp_path)) is None
+        assert probe.check(f"http://127.0.0.1:{closed_port}", False, str(tmp_path)) == \
+            f"proxy 127.0.0.1:{closed_port}: connection refused"
+        # the bastion's own proxy is installed later in the same run: a refusal means "reachable"
+        assert probe.check(f"http://127.0.0.1:{closed_port}", True, str(tmp_path)) is None
+        assert probe.check("http://no-such-host.invalid:3142", False, str(tmp_path)) == \
+            "proxy no-such-host.invalid:3142: the name does not resolve"
+        assert probe.check(None, False, str(tmp_path)) == \
+            f"no http(s) package source in {tmp_path}/sources.list*"
+        (tmp_path / "sources.list").write_text(f"deb http://127.0.0.1:{open_port}/debian bookworm main\n"
+                                               f"deb http://127.0.0.1:{closed_port}/x bookworm main\n")
+        assert probe.check(None, False, str(tmp_path)) == \
+            f"direct to 127.0.0.1:{closed_port}: connection refused"
+    finally:
+        server.close()
+
+
+def test_bastion_problem_names_the_missing_prerequisite_and_the_variable():
+    assert dlc_preflight.bastion_problem({"skipped": True}, "bastion", "jump") == ""
+    assert dlc_preflight.bastion_problem({"rc": 0}, "bastion", "jump") == ""
+    line = dlc_preflight.bastion_problem({"rc": 1, "stdout": "NOSUDO"}, "bastion", "jump")
+    assert line.startswith("bastion: the package proxy on the bastion (dlc_bastion_apt_proxy: true)")
+    assert "jump has no sudo without a password" in line and "dlc_bastion_apt_proxy: false" in line
+    assert "dlc_apt_proxy: http://host:port" in line
+    assert "no python3" in dlc_preflight.bastion_problem({"rc": 1, "stdout": "NOPYTHON"}, "b", "u")
+
+
+def test_package_problem_groups_nodes_by_reason_and_names_the_fix():
+    ok = {"item": "n1", "rc": 0, "stdout": ""}
+    assert dlc_preflight.package_problem([ok], "", False, "10.0.0.10") == ""
+    res = [ok, {"item": "n2", "rc": 1, "stdout": "direct to deb.debian.org:80: the name does not resolve"},
+           {"item": "n3", "rc": 1, "stdout": "direct to deb.debian.org:80: the name does not resolve"},
+           {"item": "n4", "rc": 127, "stderr": "bash: python3: command not found"}]
+    line = dlc_preflight.package_problem(res, "", False, "10.0.0.10")
+    assert line.startswith("n2, n3, n4 cannot reach their package mirrors directly (no proxy is set)")
+    assert "n2, n3: direct to deb.debian.org:80: the name does not resolve" in line
+    assert "n4: no python3 on the node" in line
+    assert "dlc_bastion_apt_proxy: true" in line and line.endswith("nothing was changed on any node")
+    site = dlc_preflight.package_problem(res[1:2], "http://p:3128", False, "10.0.0.10")
+    assert "the package proxy http://p:3128 (dlc_apt_proxy)" in site
+    ours = dlc_preflight.package_problem(res[1:2], "http://10.0.0.10:3142", True, "10.0.0.10")
+    assert "must reach the bastion at 10.0.0.10" in ours

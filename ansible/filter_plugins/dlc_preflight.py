@@ -1,0 +1,61 @@
+"""One line for each prerequisite cluster-up checks before it changes anything.
+
+Used by roles/control; tests/unit/test_ansible.py covers each case.
+  bastion_problem:  a service was asked of the bastion (the package proxy) and the login there
+                    has no passwordless sudo or no python3.
+  package_problem:  nodes that cannot reach the package source they will use.
+"""
+
+FIX_BASTION = ("set dlc_bastion_apt_proxy: false to use the bastion as a jump host only, and give "
+               "the nodes your site's proxy (dlc_apt_proxy: http://host:port) or a route out")
+
+
+def bastion_problem(result: dict, host: str, user: str) -> str:
+    """'' when `sudo -n true; command -v python3` passed on the bastion, else one line."""
+    if result.get("skipped") or result.get("rc", 1) == 0:
+        return ""
+    out = f"{result.get('stdout', '')} {result.get('stderr', '')}"
+    if "NOPYTHON" in out:
+        why = "there is no python3 there, which Ansible needs to install the proxy"
+    elif "NOSUDO" in out:
+        why = f"{user} has no sudo without a password there (`sudo -n true` failed)"
+    else:
+        why = f"the check failed: {' '.join(out.split())[:200]}"
+    return (f"{host}: the package proxy on the bastion (dlc_bastion_apt_proxy: true) needs root "
+            f"there, but {why}; {FIX_BASTION}")
+
+
+def package_problem(results: list, proxy: str, bastion_proxy: bool, bastion_ip: str) -> str:
+    """'' when every node reached its package source, else one line naming those that did not,
+    why, and the settings that would fix it."""
+    failed = [r for r in results if r.get("rc", 1) != 0]
+    if not failed:
+        return ""
+    whys = {}
+    for r in failed:
+        if r.get("rc") == 127:
+            why = "no python3 on the node (Ansible needs it)"
+        else:
+            why = " ".join(str(r.get("stdout") or r.get("stderr") or "no answer").split())[:200]
+        whys.setdefault(why, []).append(r["item"])
+    said = "; ".join(f"{', '.join(hosts)}: {why}" for why, hosts in whys.items())
+    if proxy and bastion_proxy:
+        source = f"the bastion's package proxy {proxy}"
+        fix = (f"the nodes must reach the bastion at {bastion_ip}: set the bastion's `ip` to its "
+               f"address on the nodes' network, or use your site's proxy (dlc_apt_proxy) instead")
+    elif proxy:
+        source = f"the package proxy {proxy} (dlc_apt_proxy)"
+        fix = ("check dlc_apt_proxy (http://host:port, reachable from the nodes), or set "
+               "dlc_bastion_apt_proxy: true for a caching proxy on the bastion")
+    else:
+        source = "their package mirrors directly (no proxy is set)"
+        fix = ("set dlc_bastion_apt_proxy: true (a caching proxy on the bastion) or dlc_apt_proxy: "
+               "http://host:port (your site's proxy), or give the nodes a route out")
+    hosts = sorted({h for hs in whys.values() for h in hs})
+    return (f"{', '.join(hosts)} cannot reach {source} ({said}): {fix}; nothing was changed on "
+            f"any node")
+
+
+class FilterModule:
+    def filters(self):
+        return {"dlc_bastion_problem": bastion_problem, "dlc_package_problem": package_problem}
