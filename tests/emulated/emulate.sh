@@ -16,7 +16,7 @@
 # Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
 # public 172.31.250.0/24 (bastion .10), private 172.31.251.0/24 (bastion .10, node-N .1N).
 # The bastion answers ssh on 22 (ops, with sudo: it runs the package proxy) and on 2222 (jump,
-# no sudo: a jump host only).
+# no sudo: a jump host only). A gateway (public .20, same logins) stands in for an outer hop.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -27,7 +27,7 @@ KEYDIR=$CONFIG/emulated
 NODES=(node-1 node-2 node-3)
 PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24
 PRIV_NET=dlc-emu-private PRIV_BRIDGE=dlc-emu-priv PRIV_SUBNET=172.31.251.0/24
-BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10
+BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10 GATEWAY_PUB=172.31.250.20
 VOLUME=dlc-emu-shared
 NODE_IMAGE=dlcluster/emu-node BASTION_IMAGE=dlcluster/emu-bastion
 
@@ -55,14 +55,14 @@ install_key() {  # $1 container [$2 user, ops]: authorize the run-time key, as f
     <"$KEYDIR/id_ed25519.pub"
 }
 
-# The bastion also as many sites run theirs: sshd on port 2222 too, and a `jump` login with no
-# sudo (another team's jump host). The inventory picks which way in it uses.
+# $1 container: also as many sites run their jump hosts: sshd on port 2222 too, and a `jump`
+# login with no sudo (another team's machine). The inventory picks which way in it uses.
 jump_host() {
-  "$DOCKER" exec dlc-emu-bastion sh -c 'id jump >/dev/null 2>&1 || useradd --create-home --shell /bin/bash jump
+  "$DOCKER" exec "$1" sh -c 'id jump >/dev/null 2>&1 || useradd --create-home --shell /bin/bash jump
     if [ ! -f /etc/ssh/sshd_config.d/ports.conf ]; then
       printf "Port 22\nPort 2222\n" >/etc/ssh/sshd_config.d/ports.conf && systemctl restart ssh
     fi'
-  install_key dlc-emu-bastion jump
+  install_key "$1" jump
 }
 
 wait_sshd() {  # $1 container
@@ -101,6 +101,12 @@ up() {
     "$DOCKER" network connect --ip "$BASTION_PRIV" "$PRIV_NET" dlc-emu-bastion
     fresh+=("$BASTION_PUB" "$BASTION_PRIV")
   fi
+  # an outer gateway in front of the bastion, for sites reached through two hops
+  if ! exists dlc-emu-gateway; then
+    "$DOCKER" run -d --name dlc-emu-gateway --hostname gateway "${SYSTEMD_OPTS[@]}" \
+      --network "$PUB_NET" --ip "$GATEWAY_PUB" "$BASTION_IMAGE" >/dev/null
+    fresh+=("$GATEWAY_PUB")
+  fi
   for n in "${NODES[@]}"; do
     exists "dlc-emu-$n" && continue
     # --shm-size: Ray's object store and the DataLoaders live in /dev/shm (docker's is 64 MB)
@@ -108,24 +114,27 @@ up() {
       --network "$PRIV_NET" --ip "$(node_ip "$n")" -v "$VOLUME:/srv/dlcluster" "$NODE_IMAGE" >/dev/null
     fresh+=("$(node_ip "$n")")
   done
-  for c in dlc-emu-bastion "${NODES[@]/#/dlc-emu-}"; do
+  for c in dlc-emu-gateway dlc-emu-bastion "${NODES[@]/#/dlc-emu-}"; do
     [ "$("$DOCKER" inspect -f '{{.State.Running}}' "$c")" = true ] || "$DOCKER" start "$c" >/dev/null
     wait_sshd "$c"
     install_key "$c"
   done
-  jump_host
+  jump_host dlc-emu-bastion
+  jump_host dlc-emu-gateway
   # New containers are new machines with new host keys: forget the old ones in the cluster's
   # known_hosts (any other host key change is still refused there).
   local kh=$CONFIG/clusters/emulated/known_hosts
   if [ -f "$kh" ]; then
-    for ip in "${fresh[@]}"; do ssh-keygen -q -R "$ip" -f "$kh" >/dev/null 2>&1 || true; done
+    for ip in "${fresh[@]}"; do
+      for h in "$ip" "[$ip]:2222"; do ssh-keygen -q -R "$h" -f "$kh" >/dev/null 2>&1 || true; done
+    done
   fi
   say "up: bastion $BASTION_PUB (public) / $BASTION_PRIV (private); nodes ${NODES[*]} on $PRIV_SUBNET"
   say "next: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml"
 }
 
 down() {
-  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion; do
+  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion dlc-emu-gateway; do
     exists "$c" && "$DOCKER" rm -f "$c" >/dev/null && say "removed $c"
   done
   for net in "$PRIV_NET" "$PUB_NET"; do
