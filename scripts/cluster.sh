@@ -15,7 +15,20 @@ action=${1:-}
 die() { echo "cluster-$action: error: $*" >&2; exit 2; }
 case "$action" in up|status|down) ;; *) action=cluster; die "usage: $0 up|status|down" ;; esac
 
+# One cluster-up/down per cluster at a time: a second one is one line naming the holder. Bash
+# holds the lock (fd 9) until it exits; what it starts runs with fd 9 closed (ansible-playbook:
+# 9>&-; Python closes it for Ray's daemons), so nothing left running (the tunnel) keeps it.
+lock_cluster() {  # $1 cluster name
+  [ "$action" != status ] || return 0
+  local dir=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}/clusters/$1
+  mkdir -p "$dir" && chmod 700 "$dir"
+  exec 9>>"$dir/lock"
+  flock -n 9 || die "another cluster-up or cluster-down of cluster $1 is running ($(cat "$dir/lock" 2>/dev/null)); wait for it to end, or stop that process"
+  echo "pid $$: cluster-$action since $(date '+%F %T')" >"$dir/lock"
+}
+
 if [ -z "${INVENTORY:-}" ]; then
+  lock_cluster local
   exec .venv/bin/python ray/local_cluster.py "$action"
 fi
 
@@ -29,6 +42,8 @@ config=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it
 mkdir -p "$config/clusters/$name" && chmod 700 "$config/clusters/$name"
 log="$config/clusters/$name/$action.log"
 
+lock_cluster "$name"
+
 export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 # Ansible's own connection sockets, per cluster: an old connection can never stand in for the
 # generated ssh config (FINDINGS: ControlPersist hides a broken config otherwise).
@@ -38,7 +53,7 @@ export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
-   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" "${extra[@]}" "cluster-$action.yml") 2>&1 | tee "$log"
+   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" "${extra[@]}" "cluster-$action.yml") 9>&- 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then

@@ -260,3 +260,32 @@ def test_package_problem_groups_nodes_by_reason_and_names_the_fix():
     assert "the package proxy http://p:3128 (dlc_apt_proxy)" in site
     ours = dlc_preflight.package_problem(res[1:2], "http://10.0.0.10:3142", True, "10.0.0.10")
     assert "must reach the bastion at 10.0.0.10" in ours
+
+
+def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(tmp_path):
+    import os
+    import time
+
+    folder = tmp_path / "clusters" / "example"
+    folder.mkdir(parents=True)
+    lock = folder / "lock"
+    lock.write_text("pid 4242: cluster-up since 2026-11-22 10:00:00\n")
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "120"])  # a run under way
+    try:
+        deadline = time.time() + 10
+        while subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        env = {**os.environ, "DLC_CONFIG": str(tmp_path),
+               "INVENTORY": str(ANSIBLE / "inventories/example/hosts.yml")}
+        proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == (
+            "cluster-up: error: another cluster-up or cluster-down of cluster example is running "
+            "(pid 4242: cluster-up since 2026-11-22 10:00:00); wait for it to end, or stop that "
+            "process\n")
+        assert not (folder / "up.log").exists()  # no playbook ran
+    finally:
+        holder.kill()
+        holder.wait()
