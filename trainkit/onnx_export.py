@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import time
@@ -143,8 +144,12 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
 
 
 def git_commit() -> str:
-    """The commit the job's code came from: `git rev-parse` where the code is a checkout (also a
-    working dir uploaded with `.git`), else DLC_GIT_COMMIT (set in the image), else 'unknown'."""
+    """The commit the job's code came from, the most exact answer first:
+    - `git rev-parse` where the code is a checkout ("-dirty" after it when tracked files changed);
+    - DLC_SUBMIT_COMMIT, which `make submit` sets from the client's checkout (with "-dirty");
+    - the refs `ray job submit --working-dir .` uploads (.rayignore keeps .git/HEAD and refs, not
+      history or config): the commit, without knowing whether the tree was dirty;
+    - DLC_GIT_COMMIT, baked into the image at build time; else 'unknown'."""
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -154,7 +159,41 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("DLC_GIT_COMMIT") or "unknown"
+    return (os.environ.get("DLC_SUBMIT_COMMIT") or uploaded_commit(REPO_ROOT / ".git")
+            or os.environ.get("DLC_GIT_COMMIT") or "unknown")
+
+
+def uploaded_commit(git_dir: Path) -> str | None:
+    """HEAD's commit from the refs alone (no git, no objects): a ref file, else packed-refs."""
+    try:
+        head = (git_dir / "HEAD").read_text().strip()
+    except OSError:
+        return None
+    if not head.startswith("ref: "):
+        return head if re.fullmatch(r"[0-9a-f]{40,64}", head) else None
+    ref = head[5:].strip()
+    try:
+        return (git_dir / ref).read_text().strip() or None
+    except OSError:
+        pass
+    try:
+        for line in (git_dir / "packed-refs").read_text().splitlines():
+            sha, _, name = line.partition(" ")
+            if name.strip() == ref:
+                return sha
+    except OSError:
+        pass
+    return None
+
+
+def working_dir_package() -> str | None:
+    """The content-addressed package Ray made of the uploaded working dir (gcs://_ray_pkg_<hash>
+    .zip): exactly the code the job ran, dirty or not. None outside a submitted Ray job."""
+    try:
+        env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+        return (env.get("runtime_env") or {}).get("working_dir")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _versions(packages: list[str]) -> dict[str, str]:
@@ -205,6 +244,7 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         "metrics": metrics,
         "world_size": world_size,
         "git_commit": git_commit(),
+        "working_dir": working_dir_package(),
         **(extra or {}),
     }
     folder = output / PUBLICATIONS / f"{now:%Y%m%d-%H%M%S-%f}"

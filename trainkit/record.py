@@ -29,7 +29,8 @@ from .errors import EXIT_USER_ERROR, UserError
 FORMAT = "dlcluster-cluster/1"
 RECORD = "cluster.json"
 CLIENT_ENV = "ray-client.env"
-# Ray's default working-dir excludes less .git (a job's manifest records the commit)
+# Ray's default working-dir excludes less .git: .rayignore keeps its refs only (no config, no
+# history), from which a job's manifest names the commit
 EXCLUDES = (".venv", ".venv-ansible", "venv", "__pycache__")
 
 

@@ -1,0 +1,58 @@
+"""Nothing secret or local travels with a job: untracked keys and inventories dropped into the
+checkout are absent where the job runs (the driver and a task on each node), so is git's config;
+the commit travels as data (`make submit`: DLC_SUBMIT_COMMIT) and the manifest names both it and
+the content-addressed package of the code that ran."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from conftest import BIN, REPO, read_manifest
+
+DROPPED = ["id_ed25519", "ansible/inventories/mylab/hosts.yml"]
+PROBE = """
+import json, os, ray
+names = ["id_ed25519", "ansible/inventories/mylab/hosts.yml", ".git/config", ".git/HEAD",
+         "jobs/ddp_autoencoder.py"]
+seen = lambda: (ray.get_runtime_context().get_node_id(), {n: os.path.exists(n) for n in names})
+ray.init()
+probe = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(seen)
+print("SEEN " + json.dumps([seen(), *ray.get([probe.remote() for _ in range(4)])]))
+"""
+
+
+def test_untracked_secrets_stay_on_the_client_and_the_commit_travels_as_data(cluster, tmp_path):
+    for name in DROPPED:
+        assert not (REPO / name).exists(), f"{name} is in the checkout: this test would remove it"
+    try:
+        for name in DROPPED:
+            (REPO / name).parent.mkdir(parents=True, exist_ok=True)
+            (REPO / name).write_text("a secret that must not leave this machine\n")
+        cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{cluster.dashboard_port}",
+               "--working-dir", ".", "--", "python", "-c", PROBE]
+        proc = subprocess.run(cmd, cwd=REPO, env=cluster.client_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        seen = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("SEEN "))[5:])
+        assert len({node for node, _ in seen}) == 2, seen  # the driver's node and the other one
+        for _, files in seen:
+            assert files == {"id_ed25519": False, "ansible/inventories/mylab/hosts.yml": False,
+                             ".git/config": False, ".git/HEAD": True, "jobs/ddp_autoencoder.py": True}
+
+        out = tmp_path / "model"
+        sub = subprocess.run(["ray/submit.sh", "ddp_autoencoder", "--image-size", "40x60", "--limit", "96",
+                              "--batch-size", "16", "--epochs", "1", "--output", str(out),
+                              "--storage-path", str(tmp_path / "runs")],
+                             cwd=REPO, env={**cluster.env, "PATH": f"{BIN}:/usr/bin:/bin"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert sub.returncode == 0, sub.stdout[-3000:]
+    finally:
+        (REPO / "id_ed25519").unlink(missing_ok=True)
+        shutil.rmtree(REPO / "ansible/inventories/mylab", ignore_errors=True)
+    m = read_manifest(out)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert m["git_commit"] in (head, f"{head}-dirty"), m["git_commit"]
+    assert m["working_dir"].startswith("gcs://_ray_pkg_") and m["working_dir"].endswith(".zip")
