@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -24,19 +25,20 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     clone = tmp_path / "checkout"
     _git("clone", "-q", str(REPO), str(clone), cwd=tmp_path)
     shutil.copy(REPO / ".rayignore", clone / ".rayignore")  # the working tree's, committed or not
-    _git("config", "remote.origin.url", "https://user:s3cret@git.example.org/team/dlc.git", cwd=clone)
+    secret = f"s3cret-{uuid.uuid4().hex}"  # made here: no file of the repo can hold it
+    _git("config", "remote.origin.url", f"https://user:{secret}@git.example.org/team/dlc.git", cwd=clone)
     dropped = ["id_ed25519", "jobs/id_rsa.pub", "deploy.pem", "ansible/inventories/mylab/hosts.yml",
                "ansible/inventories/mylab/group_vars/all.yml", "clusters/lab/ray_token",
                "myvenv/pyvenv.cfg", ".venv-test/bin/python"]
     for name in dropped:
         (clone / name).parent.mkdir(parents=True, exist_ok=True)
-        (clone / name).write_text("secret\n")
+        (clone / name).write_text(secret + "\n")
     _zip_files(str(clone), [], str(tmp_path / "pkg.zip"), include_gitignore=True)
     names = set(zipfile.ZipFile(tmp_path / "pkg.zip").namelist())
     for name in dropped:
         assert name not in names, name
     assert not [n for n in names if (clone / n).is_file()
-                and "s3cret" in (clone / n).read_text(errors="ignore")]
+                and secret in (clone / n).read_text(errors="ignore")]
     git = {n for n in names if n.startswith(".git/")}
     assert ".git/config" not in git and not any(n.startswith((".git/objects", ".git/logs")) for n in git)
     assert ".git/HEAD" in git
