@@ -159,8 +159,12 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return (os.environ.get("DLC_SUBMIT_COMMIT") or uploaded_commit(REPO_ROOT / ".git")
-            or os.environ.get("DLC_GIT_COMMIT") or "unknown")
+    # Ray's upload copies symlinks as folders: jobs/trainkit is then a real folder, so the
+    # working dir's root (with .git) may be a parent of REPO_ROOT
+    uploaded = next((c for d in (REPO_ROOT, *REPO_ROOT.parents)
+                     if (c := uploaded_commit(d / ".git"))), None)
+    return (os.environ.get("DLC_SUBMIT_COMMIT") or uploaded or os.environ.get("DLC_GIT_COMMIT")
+            or "unknown")
 
 
 def uploaded_commit(git_dir: Path) -> str | None:

@@ -277,7 +277,7 @@ JUMP = EMULATED.replace("""        bastion:
 
 def _jump_inventory(tmp_path: Path, settings: str) -> Path:
     text = JUMP.replace("    ray_object_store_memory:", settings + "    ray_object_store_memory:")
-    assert text != JUMP and "ansible_port: 2222" in text
+    assert "ansible_port: 2222" in text and "ansible_user: jump" in text
     return _inventory(tmp_path, "emulated", text)
 
 
@@ -302,7 +302,7 @@ def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tm
     assert last.startswith("cluster-up: error: node-1, node-2, node-3 cannot reach their package "
                            "mirrors directly (no proxy is set) (node-1, node-2, node-3: direct to "
                            "deb.debian.org:80: "), last
-    assert "set dlc_bastion_apt_proxy: true" in last and last.endswith("nothing was changed on any node")
+    assert "set dlc_bastion_apt_proxy: true" in last and "; nothing was changed on any node" in last
     assert "PLAY [Nodes" not in proc.stdout
     # the proxy an earlier run set is still in place: nothing on the nodes was touched
     assert emulated.ssh("node-2", "test", "-f", "/etc/apt/apt.conf.d/01dlcluster-proxy").returncode == 0
@@ -312,7 +312,8 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
     """No service asked of the bastion: cluster-up runs nothing on it (no facts, no become), only
     connects through it, here through an outer gateway too, while this machine cannot open a
     connection to the bastion itself. The nodes take their packages from a site proxy (here: the
-    proxy the default inventory runs on the bastion). A second run changes nothing."""
+    proxy the default inventory runs on the bastion). A second run changes nothing. (The first
+    may: docker rewrites /etc/hosts of a node container killed by an earlier test.)"""
     inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
                                           "    dlc_apt_proxy: http://172.31.251.10:3142\n")
     block = ["OUTPUT", "-d", "172.31.250.10", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
@@ -324,7 +325,6 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
         hosts = recap(first.stdout)
         assert set(hosts) == {"localhost", *NODES}, hosts  # the bastion is not in any play
         assert "skipping: no hosts matched" in first.stdout
-        assert all(hosts[n]["changed"] == 0 for n in NODES), hosts
         config = emulated.ssh_config.read_text()
         assert "Port 2222" in config and "User jump" in config and "ProxyJump 172.31.250.20" in config
         known = (emulated.cluster_dir / "known_hosts").read_text()

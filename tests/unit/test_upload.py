@@ -4,8 +4,10 @@ this checkout with secrets dropped into it, and how a job on the cluster names i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import uuid
 import zipfile
 from pathlib import Path
@@ -24,7 +26,12 @@ def _git(*args: str, cwd: Path) -> str:
 def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_path):
     clone = tmp_path / "checkout"
     _git("clone", "-q", str(REPO), str(clone), cwd=tmp_path)
-    shutil.copy(REPO / ".rayignore", clone / ".rayignore")  # the working tree's, committed or not
+    # the working tree's files over the commit's, committed or not (symlinks stay symlinks)
+    for name in _git("ls-files", "-co", "--exclude-standard", cwd=REPO).splitlines():
+        src, dst = REPO / name, clone / name
+        if src.is_file() and not src.is_symlink():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
     secret = f"s3cret-{uuid.uuid4().hex}"  # made here: no file of the repo can hold it
     _git("config", "remote.origin.url", f"https://user:{secret}@git.example.org/team/dlc.git", cwd=clone)
     dropped = ["id_ed25519", "jobs/id_rsa.pub", "deploy.pem", "ansible/inventories/mylab/hosts.yml",
@@ -49,7 +56,15 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     # the uploaded refs name the commit without git or its objects
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(tmp_path / "pkg.zip").extractall(unpacked)
-    assert onnx_export.uploaded_commit(unpacked / ".git") == _git("rev-parse", "HEAD", cwd=clone).strip()
+    head = _git("rev-parse", "HEAD", cwd=clone).strip()
+    assert onnx_export.uploaded_commit(unpacked / ".git") == head
+    # as a job on the cluster sees it: jobs/trainkit arrives as a folder (Ray copies symlinks)
+    assert (unpacked / "jobs/trainkit").is_dir() and not (unpacked / "jobs/trainkit").is_symlink()
+    env = {k: v for k, v in os.environ.items() if k not in ("DLC_SUBMIT_COMMIT", "DLC_GIT_COMMIT")}
+    probe = "from trainkit import onnx_export as o; print(o.git_commit())"
+    seen = subprocess.run([sys.executable, "-c", probe], cwd=unpacked / "jobs", env=env,
+                          capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == head
 
 
 def test_commit_from_packed_refs_a_detached_head_or_nothing(tmp_path):

@@ -1,0 +1,101 @@
+"""Every value an inventory sets, checked before any host is touched: one line per problem, naming
+the host, the variable and the fix.
+
+Used by roles/control (`groups['ray_nodes'] | dlc_inventory_problems(hostvars, bastion)`), which
+stops the run on the first line; tests/unit/test_inventory.py holds a table of bad inventories.
+Only what the inventory sets is checked here: the roles' defaults are valid by construction.
+"""
+
+import ipaddress
+
+RUNTIMES = ("docker", "host")
+STORAGES = ("nfs", "path")
+# variables that must be absolute paths on the nodes
+PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "docker_image_dir")
+# whole numbers >= low ("" means "Ray decides" for the resources)
+NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
+           "dlc_ray_user_uid": 1, "ray_join_timeout": 1}
+PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
+         "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
+         "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
+         "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port")
+
+
+def private_address(host: str, hv) -> str:
+    """A node's address on the private network: `ip`, else ansible_host, else its name."""
+    return str(hv.get("ip", hv.get("ansible_host", host)))
+
+
+def _whole(value) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    return int(text) if text.isdigit() else None
+
+
+def host_problems(host: str, hv) -> list:
+    out = []
+    addr = private_address(host, hv)
+    try:
+        ipaddress.IPv4Address(addr)
+    except ValueError:
+        out.append(f"{host}: its private address '{addr}' (`ip`, else ansible_host) is not an IPv4 "
+                   f"address: set `ip: <its address on the nodes' network>` on it")
+    if "dlc_ray_runtime" in hv and hv["dlc_ray_runtime"] not in RUNTIMES:
+        out.append(f"{host}: dlc_ray_runtime is '{hv['dlc_ray_runtime']}': set docker (Ray in the "
+                   f"project's image) or host (Ray in a virtualenv on the node)")
+    if "dlc_shared_storage" in hv and hv["dlc_shared_storage"] not in STORAGES:
+        out.append(f"{host}: dlc_shared_storage is '{hv['dlc_shared_storage']}': set nfs (the head "
+                   f"exports it) or path (a filesystem you already share)")
+    for name in PATHS:
+        if name in hv and not str(hv[name]).startswith("/"):
+            out.append(f"{host}: {name} is '{hv[name]}', not an absolute path: give the full path "
+                       f"on the node, such as /srv/dlcluster")
+    for name, low in NUMBERS.items():
+        if name in hv and str(hv[name]).strip() != "":
+            n = _whole(hv[name])
+            if n is None or n < low:
+                out.append(f"{host}: {name} is '{hv[name]}': it must be a whole number of at least "
+                           f"{low}{' (or leave it out: Ray counts them)' if low == 0 else ''}")
+    for name in PORTS:
+        if name in hv:
+            n = _whole(hv[name])
+            if n is None or not 1 <= n <= 65535:
+                out.append(f"{host}: {name} is '{hv[name]}': a port is a whole number from 1 to 65535")
+    lo, hi = _whole(hv.get("ray_min_worker_port", 10002)), _whole(hv.get("ray_max_worker_port", 19999))
+    if lo is not None and hi is not None and lo >= hi:
+        out.append(f"{host}: ray_min_worker_port {lo} is not below ray_max_worker_port {hi}: give "
+                   f"Ray a range of worker ports")
+    return out
+
+
+def inventory_problems(nodes: list, hostvars, bastion: str) -> list:
+    """Every problem of the nodes (and the bastion's port and address), in inventory order."""
+    out = []
+    seen = {}
+    for host in nodes:
+        hv = hostvars[host]
+        out.extend(host_problems(host, hv))
+        addr = private_address(host, hv)
+        if addr in seen:
+            out.append(f"{host}: its private address {addr} is also {seen[addr]}'s: give each node "
+                       f"its own `ip` (and ansible_host)")
+        seen.setdefault(addr, host)
+    bv = hostvars[bastion]
+    if "ansible_port" in bv and (_whole(bv["ansible_port"]) or 0) not in range(1, 65536):
+        out.append(f"{bastion}: ansible_port is '{bv['ansible_port']}': a port is a whole number "
+                   f"from 1 to 65535")
+    if "ip" in bv:
+        try:
+            ipaddress.IPv4Address(str(bv["ip"]))
+        except ValueError:
+            out.append(f"{bastion}: its private address '{bv['ip']}' (`ip`) is not an IPv4 address: "
+                       f"set it to the bastion's address on the nodes' network")
+    return out
+
+
+class FilterModule:
+    def filters(self):
+        return {"dlc_inventory_problems": inventory_problems}
