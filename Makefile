@@ -29,6 +29,12 @@ ANSIBLE_ARGS    ?=
 # extra flags for make smoke (ray/smoke.py --help), e.g. --only nodes,allreduce --max-mib 64
 SMOKE_ARGS      ?=
 
+# Tokens, keys and inventories' ssh configs live in DLC_CONFIG: never inside the checkout, whose
+# files travel with every job (ray job submit --working-dir .).
+ifneq ($(filter $(CURDIR)/%,$(abspath $(DLC_CONFIG))/),)
+$(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files travel with every job; set it outside, e.g. DLC_CONFIG=$(HOME)/.config/dlcluster)
+endif
+
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
        INVENTORY ANSIBLE_ARGS
 VENV := .venv

@@ -118,3 +118,15 @@ def test_cluster_up_stops_on_the_first_check_before_any_connection(tmp_path, edi
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(expect), last
     assert "Log in to the bastion" not in proc.stdout
+
+
+@pytest.mark.parametrize("config", ["cfg", ".", "ansible/inventories"])
+def test_a_config_folder_inside_the_checkout_is_refused_before_anything_runs(config):
+    proc = subprocess.run(["make", "--no-print-directory", "help", f"DLC_CONFIG={config}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    line = proc.stderr.strip()
+    assert line.startswith("Makefile:") and "\n" not in line
+    assert line.split(" *** ", 1)[1] == (
+        f"DLC_CONFIG={config} is inside the checkout {REPO}, whose files travel with every job; set "
+        f"it outside, e.g. DLC_CONFIG={os.environ['HOME']}/.config/dlcluster.  Stop.")
