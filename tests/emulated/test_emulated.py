@@ -327,8 +327,8 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
         assert "skipping: no hosts matched" in first.stdout
         config = emulated.ssh_config.read_text()
         assert "Port 2222" in config and "User jump" in config and "ProxyJump 172.31.250.20" in config
-        known = (emulated.cluster_dir / "known_hosts").read_text()
-        assert "[172.31.250.10]:2222" in known and "[172.31.250.20]:2222" in known
+        # the gateway's host key recorded at first contact (the bastion's was already known)
+        assert "[172.31.250.20]:2222 " in (emulated.cluster_dir / "known_hosts").read_text()
         again = emulated.cluster("up", inventory)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
         assert {h: v["changed"] for h, v in recap(again.stdout).items()} == \
