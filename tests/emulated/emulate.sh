@@ -15,6 +15,8 @@
 #
 # Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
 # public 172.31.250.0/24 (bastion .10), private 172.31.251.0/24 (bastion .10, node-N .1N).
+# node-1 also has a "public" interface, 172.31.252.11 on a third network (internal: no way out),
+# as real servers often do, and an outsider (172.31.252.99, not part of the cluster) sits there.
 # The bastion answers ssh on 22 (ops, with sudo: it runs the package proxy) and on 2222 (jump,
 # no sudo: a jump host only). A gateway (public .20, same logins) stands in for an outer hop.
 set -euo pipefail
@@ -27,6 +29,8 @@ KEYDIR=$CONFIG/emulated
 NODES=(node-1 node-2 node-3)
 PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24
 PRIV_NET=dlc-emu-private PRIV_BRIDGE=dlc-emu-priv PRIV_SUBNET=172.31.251.0/24
+OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24
+NODE1_OUT=172.31.252.11 OUTSIDER=172.31.252.99
 BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10 GATEWAY_PUB=172.31.250.20
 VOLUME=dlc-emu-shared
 NODE_IMAGE=dlcluster/emu-node BASTION_IMAGE=dlcluster/emu-bastion
@@ -42,9 +46,10 @@ SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro
               --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined
               --security-opt systempaths=unconfined --restart unless-stopped)
 
-block_host() {  # the host reaches the private network only through the bastion
-  iptables -C OUTPUT -o "$PRIV_BRIDGE" -j REJECT 2>/dev/null \
-    || iptables -I OUTPUT -o "$PRIV_BRIDGE" -j REJECT
+block_host() {  # the host reaches the private network only through the bastion (the outside one: never)
+  for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
+    iptables -C OUTPUT -o "$bridge" -j REJECT 2>/dev/null || iptables -I OUTPUT -o "$bridge" -j REJECT
+  done
 }
 
 install_key() {  # $1 container [$2 user, ops]: authorize the run-time key, as first-boot scripts do
@@ -91,6 +96,8 @@ up() {
     -o com.docker.network.bridge.name="$PUB_BRIDGE" "$PUB_NET" >/dev/null
   exists "$PRIV_NET" || "$DOCKER" network create --internal --subnet "$PRIV_SUBNET" \
     -o com.docker.network.bridge.name="$PRIV_BRIDGE" "$PRIV_NET" >/dev/null
+  exists "$OUT_NET" || "$DOCKER" network create --internal --subnet "$OUT_SUBNET" \
+    -o com.docker.network.bridge.name="$OUT_BRIDGE" "$OUT_NET" >/dev/null
   "$DOCKER" volume inspect "$VOLUME" >/dev/null 2>&1 || "$DOCKER" volume create "$VOLUME" >/dev/null
   block_host
 
@@ -113,7 +120,17 @@ up() {
     "$DOCKER" run -d --name "dlc-emu-$n" --hostname "$n" "${SYSTEMD_OPTS[@]}" --shm-size 2g \
       --network "$PRIV_NET" --ip "$(node_ip "$n")" -v "$VOLUME:/srv/dlcluster" "$NODE_IMAGE" >/dev/null
     fresh+=("$(node_ip "$n")")
+    if [ "$n" = node-1 ]; then "$DOCKER" network connect --ip "$NODE1_OUT" "$OUT_NET" dlc-emu-node-1; fi
   done
+  # The outsider may route to the private addresses through node-1's public one, as anyone on
+  # that segment could: no systemd, no sshd, only Python to probe ports
+  if ! exists dlc-emu-outsider; then
+    "$DOCKER" run -d --name dlc-emu-outsider --hostname outsider --cap-add NET_ADMIN \
+      --restart unless-stopped --network "$OUT_NET" --ip "$OUTSIDER" --entrypoint sleep \
+      "$BASTION_IMAGE" infinity >/dev/null
+  fi
+  [ "$("$DOCKER" inspect -f '{{.State.Running}}' dlc-emu-outsider)" = true ] || "$DOCKER" start dlc-emu-outsider >/dev/null
+  "$DOCKER" exec dlc-emu-outsider ip route replace "$PRIV_SUBNET" via "$NODE1_OUT"
   for c in dlc-emu-gateway dlc-emu-bastion "${NODES[@]/#/dlc-emu-}"; do
     [ "$("$DOCKER" inspect -f '{{.State.Running}}' "$c")" = true ] || "$DOCKER" start "$c" >/dev/null
     wait_sshd "$c"
@@ -134,14 +151,16 @@ up() {
 }
 
 down() {
-  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion dlc-emu-gateway; do
+  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion dlc-emu-gateway dlc-emu-outsider; do
     exists "$c" && "$DOCKER" rm -f "$c" >/dev/null && say "removed $c"
   done
-  for net in "$PRIV_NET" "$PUB_NET"; do
+  for net in "$PRIV_NET" "$PUB_NET" "$OUT_NET"; do
     exists "$net" && "$DOCKER" network rm "$net" >/dev/null
   done
   "$DOCKER" volume rm "$VOLUME" >/dev/null 2>&1 || true
-  while iptables -D OUTPUT -o "$PRIV_BRIDGE" -j REJECT 2>/dev/null; do :; done
+  for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
+    while iptables -D OUTPUT -o "$bridge" -j REJECT 2>/dev/null; do :; done
+  done
   say "down (the key in $KEYDIR stays)"
 }
 

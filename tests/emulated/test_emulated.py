@@ -57,11 +57,17 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
     dashboard = [line.split()[3] for line in listen.splitlines() if line.split()[3:4]
                  and line.split()[3].endswith(":8265")]
     assert dashboard == ["172.31.251.11:8265"], listen
-    # Ray binds the GCS and the raylet to every interface: the DLC-RAY chain keeps them private
+    # Ray binds the GCS and the raylet to every interface: the DLC-INPUT chain, first in INPUT,
+    # lets only ssh in from outside the private network, IPv4 and IPv6
     for node in NODES:
         rules = emulated.ssh(node, "sudo", "iptables", "-S").stdout
-        assert "--dports 6379,8265,10001," in rules and "-j DLC-RAY" in rules, rules
-        assert "-A DLC-RAY -s 172.31.251.0/24 -j ACCEPT" in rules and "-A DLC-RAY -j DROP" in rules
+        assert rules.index("-A INPUT -j DLC-INPUT") < rules.index("-A DLC-INPUT"), rules
+        assert "-A DLC-INPUT -s 172.31.251.0/24 -j RETURN" in rules, rules
+        assert "-A DLC-INPUT -p tcp -m tcp --dport 22 -j RETURN" in rules, rules
+        assert "-A DLC-INPUT -p tcp -j REJECT --reject-with tcp-reset" in rules, rules
+        rules6 = emulated.ssh(node, "sudo", "ip6tables", "-S").stdout
+        assert "-A INPUT -j DLC-INPUT" in rules6 and "--dport 22 -j RETURN" in rules6, rules6
+        assert "-s 172.31" not in rules6 and "icmp6-port-unreachable" in rules6, rules6
 
 
 def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
@@ -194,17 +200,59 @@ def test_a_storage_path_only_the_head_has_is_one_line_before_training(emulated):
     assert "RayTrainWorker" not in out  # refused before any worker started
 
 
-def test_smoke_passes_across_the_cluster(emulated, tmp_path):
+NODE1_PUBLIC, PROBE = "172.31.252.11", (Path(__file__).parent / "probe.py").read_text()
+
+
+def listening(container: str) -> set[int]:
+    """TCP ports a node listens on, other than on loopback (its own view: ss)."""
+    out = subprocess.run(["docker", "exec", container, "ss", "-Htln"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    local = [line.split()[3] for line in out.splitlines() if len(line.split()) > 3]
+    return {int(a.rsplit(":", 1)[1]) for a in local
+            if not a.startswith(("127.", "[::1]", "[::ffff:127."))}
+
+
+def probe(container: str, addrs: list[str], ports: set[int]) -> set[str]:
+    """addr:port pairs that accept a connection from inside `container`."""
+    out = subprocess.run(["docker", "exec", "-i", container, "python3", "-", ",".join(addrs),
+                          *map(str, sorted(ports))], input=PROBE, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return set(json.loads(out))
+
+
+def test_smoke_passes_while_an_outsider_finds_only_ssh(emulated, tmp_path):
+    """make smoke runs every trainer across the cluster. Meanwhile an outsider on node-1's public
+    network (routing to the private addresses through node-1, as anyone on that segment could)
+    tries every port node-1 listens on, on both its addresses: only ssh answers. The bastion, on the
+    private network, probes the same ports: Ray's answer it (the probe can see an open port)."""
+    idle = listening("dlc-emu-node-1")
     report = tmp_path / "smoke.json"
-    proc = run(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"], emulated.env,
-               timeout=1500)
-    print(proc.stdout[-6000:], proc.stderr[-3000:])
-    assert proc.returncode == 0
-    data = json.loads(report.read_text())
-    steps = {s["name"]: s for s in data["steps"]}
+    smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"],
+                             cwd=REPO, env=emulated.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    out_lines: list[str] = []
+    reader = threading.Thread(target=lambda: out_lines.extend(smoke.stdout), daemon=True)
+    reader.start()
+    seen, outside, inside = set(), set(), set()
+    while smoke.poll() is None:
+        ports = listening("dlc-emu-node-1")
+        seen |= ports
+        outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODES["node-1"]], ports | {22})
+        inside |= probe("dlc-emu-bastion", [NODES["node-1"]], ports)
+    smoke.wait(timeout=60)
+    reader.join(timeout=30)
+    print("".join(out_lines)[-6000:])
+    training = sorted(seen - idle)
+    print(f"node-1 listened on {len(seen)} ports ({len(training)} only while the trainers ran: "
+          f"{training[:20]}); the outsider reached {sorted(outside)}; the bastion {len(inside)}")
+    assert smoke.returncode == 0
+    steps = {s["name"]: s for s in json.loads(report.read_text())["steps"]}
     assert set(steps) >= {"nodes", "allreduce", "trainers", "proxyjump"}
     for name, step in steps.items():
         assert step["ok"] and not step.get("skipped"), (name, step)
+    assert training, "no port opened while the trainers ran: the probe saw no training"
+    assert outside == {f"{NODE1_PUBLIC}:22", f"{NODES['node-1']}:22"}, outside
+    assert {f"{NODES['node-1']}:6379", f"{NODES['node-1']}:8265"} <= inside, inside
 
 
 def test_a_changed_host_key_is_refused(emulated, tmp_path):

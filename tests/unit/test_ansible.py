@@ -4,7 +4,9 @@ log, the playbooks' syntax against both inventories, and the README naming every
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -171,15 +173,45 @@ def test_ray_unit_requires_the_shared_storage_mount():
     env.filters["bool"] = bool
     unit = env.get_template("dlc-ray.service.j2").render(
         ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
-        dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", ray_firewall=True,
+        dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
         dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
         dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray", ray_home="/var/lib/ray",
         dlc_image="dlcluster:gpu", ray_start_args=["--address=10.0.0.1:6379"])
     lines = unit.splitlines()
     assert "RequiresMountsFor=/srv/data" in lines
+    assert "Requires=dlc-firewall.service" in lines and "After=dlc-firewall.service" in lines
     assert any(line.startswith("After=") and "srv-data.mount" in line for line in lines)
     start = next(line for line in lines if line.startswith("ExecStart=/usr/bin/docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("iptables-restore"),
+                    reason="iptables-restore --test needs root and iptables")
+def test_firewall_rules_are_what_iptables_accepts():
+    """The node firewall's script, rendered as for a node: iptables-restore and ip6tables-restore
+    check its rules (--test: nothing is applied here); ssh is the only port open to anyone."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/firewall/templates"),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True)
+    script = env.get_template("dlc-firewall.j2").render(
+        ansible_managed="managed", inventory_hostname="node-1", firewall_private_cidr_effective="10.0.0.0/24",
+        firewall_public_tcp_ports=[22, 2222])
+    printed = subprocess.run(["sh", "-c", script, "dlc-firewall", "print"], capture_output=True,
+                             text=True, check=True).stdout
+    v4, v6 = printed.split("# ip6tables\n") if "# ip6tables" in printed else (printed, "")
+    assert v4.startswith("# iptables\n") and "-A DLC-INPUT -s 10.0.0.0/24 -j RETURN" in v4
+    for port in (22, 2222):
+        assert f"-A DLC-INPUT -p tcp --dport {port} -j RETURN" in v4
+    for tool, rules in (("iptables-restore", v4), ("ip6tables-restore", v6)):
+        if rules:
+            assert "10.0.0.0/24" not in rules or tool == "iptables-restore"
+            checked = subprocess.run([tool, "--test", "--noflush"], input=rules, capture_output=True,
+                                     text=True)
+            assert checked.returncode == 0, (tool, checked.stderr, rules)
+    bad = subprocess.run(["iptables-restore", "--test", "--noflush"],
+                         input=v4.replace("--dport", "--dprot"), capture_output=True, text=True)
+    assert bad.returncode != 0  # the check can fail
 
 
 def _probe():
