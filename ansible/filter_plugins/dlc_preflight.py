@@ -4,6 +4,8 @@ Used by roles/control; tests/unit/test_ansible.py covers each case.
   bastion_problem:  a service was asked of the bastion (the package proxy) and the login there
                     has no passwordless sudo or no python3.
   package_problem:  nodes that cannot reach the package source they will use.
+  account_problem:  nodes where Ray's uid or gid belongs to someone else, or Ray's account
+                    exists with another uid (Ubuntu cloud images give 1000 to `ubuntu`).
 """
 
 FIX_BASTION = ("set dlc_bastion_apt_proxy: false to use the bastion as a jump host only, and give "
@@ -56,6 +58,35 @@ def package_problem(results: list, proxy: str, bastion_proxy: bool, bastion_ip: 
             f"any node")
 
 
+# What each node answers, a line each: the user with the uid, the group with the gid (as a gid
+# Ray's group would get), the uid of Ray's account; empty where there is none.
+ACCOUNT_PROBE = ('getent passwd "$1" | cut -d: -f1; getent group "$1" | cut -d: -f1; '
+                 'id -u "$2" 2>/dev/null; true')
+
+
+def account_problem(results: list, user: str, uid: int) -> str:
+    """'' when Ray's account can be `user` with uid = gid = `uid` on every node, else one line."""
+    problems = []
+    for r in results:
+        if r.get("rc", 1) != 0:
+            err = " ".join(str(r.get("stderr", "")).split())[:120]
+            problems.append(f"{r['item']}: the check failed ({err})")
+            continue
+        by_uid, by_gid, user_uid = ((r.get("stdout", "") + "\n\n\n").splitlines() + ["", "", ""])[:3]
+        if user_uid and user_uid != str(uid):
+            problems.append(f"{r['item']}: {user} already exists with uid {user_uid}")
+        elif by_uid and by_uid != user:
+            problems.append(f"{r['item']}: uid {uid} belongs to {by_uid}")
+        elif by_gid and by_gid != user:
+            problems.append(f"{r['item']}: gid {uid} belongs to the group {by_gid}")
+    if not problems:
+        return ""
+    return (f"Ray's account {user} (dlc_ray_user, uid and gid {uid}, dlc_ray_user_uid) cannot be "
+            f"made the same on every node: {'; '.join(problems)}: set dlc_ray_user_uid to an id free "
+            f"on every node (or dlc_ray_user to the account that has it); nothing was changed on any node")
+
+
 class FilterModule:
     def filters(self):
-        return {"dlc_bastion_problem": bastion_problem, "dlc_package_problem": package_problem}
+        return {"dlc_bastion_problem": bastion_problem, "dlc_package_problem": package_problem,
+                "dlc_account_problem": account_problem, "dlc_account_probe": lambda _: ACCOUNT_PROBE}

@@ -20,10 +20,18 @@ def _last_line(stderr: str) -> str:
 
 
 def ssh_problem(stderr: str, host: str, addr: str, user: str, key: str, known_hosts: str,
-                via: str = "") -> str:
-    """One line for a failed `ssh host true`: what went wrong and what to do about it."""
+                via: str = "", pinned: bool = False) -> str:
+    """One line for a failed `ssh host true`: what went wrong and what to do about it.
+    `pinned`: the inventory pins the host keys (dlc_known_hosts), so none is learnt at first contact."""
     err = stderr or ""
     where = f"{host} ({user}@{addr}{', through ' + via if via else ''})"
+    if pinned and "host key is known for" in err:
+        return (f"{where}: dlc_known_hosts pins no host key for it, and with pinned keys none is "
+                f"taken on trust; add its line (`ssh-keyscan {addr}` from a trusted network, its "
+                f"fingerprint compared with the server's console) and run again")
+    if pinned and "Host key verification failed" in err:
+        return (f"{where}: its host key is not the one dlc_known_hosts pins: someone may be in "
+                f"the way; if the server was really reinstalled, pin its new key and run again")
     if "REMOTE HOST IDENTIFICATION HAS CHANGED" in err or "Host key verification failed" in err:
         return (f"{where}: its host key is not the one recorded at first contact in {known_hosts}; "
                 f"if that server was really reinstalled, forget the old key with "
@@ -43,7 +51,7 @@ def ssh_problem(stderr: str, host: str, addr: str, user: str, key: str, known_ho
 
 
 def ssh_problems(results: list, hostvars: dict, key: str, known_hosts: str, via: str,
-                 default_user: str) -> list:
+                 default_user: str, pinned: bool = False) -> list:
     """ssh_problem() for every failed item of a looped `ssh <node> true` (register.results)."""
     out = []
     for r in results:
@@ -54,7 +62,7 @@ def ssh_problems(results: list, hostvars: dict, key: str, known_hosts: str, via:
         addr = str(hv.get("ansible_host", host))
         user = str(hv.get("ansible_user", default_user))
         out.append(ssh_problem(r.get("stderr", "") or r.get("msg", ""), host, addr, user, key,
-                               known_hosts, via))
+                               known_hosts, via, pinned))
     return out
 
 

@@ -68,6 +68,15 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
         rules6 = emulated.ssh(node, "sudo", "ip6tables", "-S").stdout
         assert "-A INPUT -j DLC-INPUT" in rules6 and "--dport 22 -j RETURN" in rules6, rules6
         assert "-s 172.31" not in rules6 and "icmp6-port-unreachable" in rules6, rules6
+    # the bastion's package proxy serves the nodes only: a stranger on the private network is refused
+    stranger = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
+                               "172.31.251.50", "--entrypoint", "python3", "dlcluster/emu-bastion", "-",
+                               "172.31.251.10", "3142"], input=PROBE, capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+    assert json.loads(stranger) == []
+    node = emulated.ssh("node-2", "python3", "-c",
+                        "import socket; socket.create_connection(('172.31.251.10', 3142))")
+    assert node.returncode == 0, node.stderr
 
 
 def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
@@ -272,6 +281,47 @@ def test_a_changed_host_key_is_refused(emulated, tmp_path):
         known.write_text(saved)
 
 
+def test_pinned_host_keys_are_checked_not_trusted(emulated, tmp_path):
+    """dlc_known_hosts pins the keys (here: those recorded so far, as an operator would after
+    comparing fingerprints): a host without a pinned key, or with another key, is refused in one
+    line before any change. Each variant is a cluster of its own name: the emulated cluster's
+    files stay as they are."""
+    known = (emulated.cluster_dir / "known_hosts").read_text().splitlines()
+    pinned = [ln for ln in known if ln.split()[0] in {"172.31.250.10", *NODES.values()}]
+    assert len(pinned) >= 4, known
+
+    def up(name: str, lines: list[str], more: str = "") -> tuple[subprocess.CompletedProcess, str]:
+        block = "    dlc_known_hosts: |\n" + "".join(f"      {ln}\n" for ln in lines) + more
+        text = EMULATED.replace("    ray_object_store_memory:", block + "    ray_object_store_memory:")
+        proc = emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
+        last = proc.stderr.strip().splitlines()[-1]
+        print(last)
+        assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout, proc.stdout[-2000:]
+        return proc, last
+
+    # every key pinned: the logins pass and the run goes on to its next check (no package source)
+    proc, last = up("pinned", pinned, "    dlc_bastion_apt_proxy: false\n")
+    assert "cannot reach their package mirrors" in last, last
+    prints = (emulated.config / "clusters/pinned/host_fingerprints").read_text().splitlines()
+    assert len(prints) == len(pinned) and all("SHA256:" in p for p in prints), prints
+    assert prints[0].split()[1] in proc.stdout  # shown, for the operator to compare
+    config = (emulated.config / "clusters/pinned/ssh_config").read_text()
+    assert "StrictHostKeyChecking yes" in config and "accept-new" not in config
+    # node-3 not pinned: not trusted on first contact
+    _, last = up("unpinned", [ln for ln in pinned if not ln.startswith("172.31.251.13 ")])
+    assert "node-3 (" in last and "dlc_known_hosts pins no host key for it" in last, last
+    # node-2 pinned with another key: refused
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], emulated.env,
+        check=True)
+    other = (tmp_path / "other.pub").read_text().split()
+    swapped = [f"{ln.split()[0]} {other[0]} {other[1]}" if ln.startswith("172.31.251.12 ") else ln
+               for ln in pinned]
+    _, last = up("swapped", swapped)
+    assert "node-2 (" in last and "not the one dlc_known_hosts pins" in last, last
+    _, last = up("garbled", ["172.31.251.11 ssh-ed25519 not-base64!"])
+    assert "dlc_known_hosts is not known_hosts content" in last, last
+
+
 def _inventory(tmp_path: Path, name: str, text: str) -> Path:
     folder = tmp_path / name
     folder.mkdir()
@@ -291,6 +341,9 @@ EMULATED = (REPO / "ansible/inventories/emulated/hosts.yml").read_text()
     ("missing-key", lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
      "does not exist"),
     ("unparsable", lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
+    ("uid-taken", lambda t: t.replace("    ray_object_store_memory:",
+                                      "    dlc_ray_user_uid: 1001\n    ray_object_store_memory:"),
+     "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; node-3: uid 1001 belongs to ops"),
 ])
 def test_bad_input_is_one_line_and_touches_no_node(emulated, tmp_path, name, edit, expect):
     if name == "wrong-key":

@@ -59,6 +59,18 @@ def test_ssh_problem_names_host_problem_and_fix(stderr, expect):
     assert expect in line and "\n" not in line
 
 
+@pytest.mark.parametrize("stderr,expect", [
+    ("No ED25519 host key is known for 10.0.0.1 and you have requested strict checking.\n"
+     "Host key verification failed.\n", "dlc_known_hosts pins no host key for it"),
+    ("@@@@\n@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n@@@@\n"
+     "Host key verification failed.\n", "not the one dlc_known_hosts pins"),
+])
+def test_pinned_host_keys_name_the_pin(stderr, expect):
+    line = dlc_ssh.ssh_problem(stderr, "gpu-node-3", "10.0.0.1", "ops", KEY, KH, "bastion", True)
+    assert line.startswith("gpu-node-3 (ops@10.0.0.1, through bastion): ") and expect in line
+    assert "ssh-keygen -R" not in line  # a pinned key is never forgotten on the operator's behalf
+
+
 def test_ssh_problems_lists_only_failed_nodes():
     results = [
         {"item": "n1", "rc": 0, "stderr": ""},
@@ -321,3 +333,30 @@ def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(t
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("stdout,expect", [
+    ("\n\n\n", ""),                      # a fresh node: the account is made
+    ("dlc\ndlc\n1000\n", ""),            # already Ray's account: nothing to do
+    ("ubuntu\nubuntu\n\n", "node-2: uid 1000 belongs to ubuntu"),
+    ("\nlxd\n\n", "node-2: gid 1000 belongs to the group lxd"),
+    ("ubuntu\nubuntu\n1001\n", "node-2: dlc already exists with uid 1001"),
+])
+def test_account_problem_names_the_node_and_the_owner(stdout, expect):
+    ok = {"item": "node-1", "rc": 0, "stdout": "\n\n\n"}
+    line = dlc_preflight.account_problem([ok, {"item": "node-2", "rc": 0, "stdout": stdout}], "dlc", 1000)
+    if not expect:
+        assert line == ""
+        return
+    assert expect in line and "node-1" not in line and "\n" not in line
+    assert "set dlc_ray_user_uid" in line and line.endswith("nothing was changed on any node")
+
+
+def test_account_probe_reads_this_machines_accounts():
+    """The probe cluster-up sends, run here for real: root has uid and gid 0."""
+    out = subprocess.run(["sh", "-c", dlc_preflight.ACCOUNT_PROBE, "sh", "0", "root"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.splitlines()[:3] == ["root", "root", "0"]
+    assert dlc_preflight.account_problem([{"item": "here", "rc": 0, "stdout": out}], "root", 0) == ""
+    assert "uid 0 belongs to root" in dlc_preflight.account_problem(
+        [{"item": "here", "rc": 0, "stdout": out}], "dlc", 0)
