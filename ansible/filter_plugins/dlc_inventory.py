@@ -7,6 +7,7 @@ Only what the inventory sets is checked here: the roles' defaults are valid by c
 """
 
 import ipaddress
+import re
 
 RUNTIMES = ("docker", "host")
 STORAGES = ("nfs", "path")
@@ -19,6 +20,36 @@ PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
          "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port")
+
+# values written into the ssh config and command lines as one word: no spaces, newlines, quotes
+# or `#` that could end the word and start a directive (`ProxyCommand ...`) or a command
+WORDS = ("ansible_host", "ansible_user", "dlc_ssh_user", "dlc_ssh_key", "dlc_ssh_gateway", "dlc_image")
+WORD = re.compile(r"[A-Za-z0-9._~/@:+%=,\[\]-]+")
+# Ray's account: a POSIX account name
+ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def _value(hv, name):
+    """hv[name], or None when absent or when it is a template this play cannot resolve (one that
+    names a role's default): the control role passes such values resolved, as `cluster`."""
+    try:
+        return hv[name] if name in hv else None
+    except Exception:  # noqa: BLE001 - Ansible's undefined-variable errors vary by version
+        return None
+
+
+def word_problems(host: str, hv, names=WORDS) -> list:
+    out = []
+    for name in names:
+        value = _value(hv, name)
+        if value is not None and str(value) != "" and not WORD.fullmatch(str(value)):
+            out.append(f"{host}: {name} is {str(value)!r}: it goes into the ssh config and "
+                       f"commands as one word, so it may hold no spaces, quotes, `#` or line breaks")
+    user = _value(hv, "dlc_ray_user")
+    if user is not None and not ACCOUNT.fullmatch(str(user)):
+        out.append(f"{host}: dlc_ray_user is {str(user)!r}: an account name is lower "
+                   f"case letters, digits, _ and -, starting with a letter or _")
+    return out
 
 
 def private_address(host: str, hv) -> str:
@@ -36,7 +67,7 @@ def _whole(value) -> int | None:
 
 
 def host_problems(host: str, hv) -> list:
-    out = []
+    out = word_problems(host, hv)
     addr = private_address(host, hv)
     try:
         ipaddress.IPv4Address(addr)
@@ -71,9 +102,10 @@ def host_problems(host: str, hv) -> list:
     return out
 
 
-def inventory_problems(nodes: list, hostvars, bastion: str) -> list:
-    """Every problem of the nodes (and the bastion's port and address), in inventory order."""
-    out = []
+def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None = None) -> list:
+    """Every problem of the nodes (and the bastion's port and address), in inventory order.
+    `cluster`: cluster-wide values as the play resolved them (checked once, as `all`)."""
+    out = word_problems("all", cluster or {}) if cluster else []
     seen = {}
     for host in nodes:
         hv = hostvars[host]
@@ -84,6 +116,7 @@ def inventory_problems(nodes: list, hostvars, bastion: str) -> list:
                        f"its own `ip` (and ansible_host)")
         seen.setdefault(addr, host)
     bv = hostvars[bastion]
+    out.extend(word_problems(bastion, bv, ("ansible_host", "ansible_user")))
     if "ansible_port" in bv and (_whole(bv["ansible_port"]) or 0) not in range(1, 65536):
         out.append(f"{bastion}: ansible_port is '{bv['ansible_port']}': a port is a whole number "
                    f"from 1 to 65535")

@@ -70,6 +70,13 @@ BAD = [
     ("metrics-port-junk", on(VARS, "    ray_metrics_export_port: 8080x\n"),
      "ray_metrics_export_port is '8080x'"),
     ("proxy-port-a-word", on(VARS, "    dlc_apt_proxy_port: three\n"), "dlc_apt_proxy_port is 'three'"),
+    ("user-injects-ssh-directive", on(NODE2, '          ansible_user: "ops\\n  ProxyCommand sh -c id"\n'),
+     "gpu-node-2: ansible_user is 'ops\\n  ProxyCommand sh -c id': it goes into the ssh config"),
+    ("bastion-host-with-space", on(BASTION, "          ansible_host: bastion.example.org -v\n"),
+     "bastion: ansible_host is 'bastion.example.org -v'"),
+    ("key-path-with-quote", on(VARS, "    dlc_ssh_key: ~/.ssh/id'x\n"), "dlc_ssh_key is \"~/.ssh/id'x\""),
+    ("ray-user-upper-case", on(VARS, "    dlc_ray_user: Ray Svc\n"),
+     "dlc_ray_user is 'Ray Svc': an account name is lower case letters"),
 ]
 
 
