@@ -33,7 +33,7 @@ def _value(hv, name):
     """hv[name], or None when absent or when it is a template this play cannot resolve (one that
     names a role's default): the control role passes such values resolved, as `cluster`."""
     try:
-        return hv[name] if name in hv else None
+        return str(hv[name]) if name in hv else None  # str(): Ansible may template only now
     except Exception:  # noqa: BLE001 - Ansible's undefined-variable errors vary by version
         return None
 
