@@ -14,6 +14,11 @@ verify, and the whole run's wall time. Printed: min/median/max per launcher and 
 the medians (Ray / plain); written: a JSON file and a PNG plot.
 
     python tests/bench/bench.py [--jobs ddp_autoencoder,...] [--repeats 3] [--epochs 2] [--out DIR]
+                                [--folder-scale 100000]
+
+--folder-scale N also measures a folder of N small JPEGs (made once, cached) against the built-in
+frames: the driver's check of it alone (seconds, peak memory) and the autoencoder's submit to
+first step on Ray with it (one epoch at 60x80).
 """
 
 from __future__ import annotations
@@ -67,10 +72,11 @@ def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[sub
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
 
 
-def measure(job: str, launcher: str, a, current, work: Path, i: int) -> dict:
+def measure(job: str, launcher: str, a, current, work: Path, i: int,
+            job_args: list[str] | None = None) -> dict:
     name = f"bench-{job.replace('_', '-')}-{launcher}-{i}-{time.strftime('%H%M%S')}"
     out = work / "models" / name
-    args = [*JOBS[job], "--epochs", str(a.epochs), "--name", name,
+    args = [*(JOBS[job] if job_args is None else job_args), "--epochs", str(a.epochs), "--name", name,
             "--storage-path", str(work / "runs"), "--output", str(out)]
     t0 = time.time()
     procs = plain(job, args, work) if launcher == "plain" else on_ray(job, args, current)
@@ -86,6 +92,59 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int) -> dict:
             "export_verify_s": m["timeline"]["export_s"] + m["parity"]["seconds"],
             "wall_s": wall, "samples_per_s": metrics["samples_per_s"],
             "world_size": m["world_size"], "launcher": m["launcher"]}
+
+
+def frames_folder(n: int) -> Path:
+    """n JPEGs of 60x80 (the built-in frames, cycled and shifted so no two files are alike), in
+    100 subfolders, made once under $DLC_CACHE."""
+    import numpy as np
+    from PIL import Image
+
+    from trainkit import data
+
+    root = Path(os.environ.get("DLC_CACHE", "~/.cache/dlcluster")).expanduser() / f"bench-frames-{n}"
+    if (root / ".complete").exists():
+        return root
+    frames = data.builtin_frames(size=(60, 80))
+    tmp = Path(tempfile.mkdtemp(prefix=root.name, dir=root.parent))
+    for i in range(n):
+        if i % 10000 == 0:
+            print(f"[bench] writing frame {i} of {n} into {root}", flush=True)
+        img = np.roll(frames[i % len(frames)], i // len(frames), axis=1)
+        (tmp / f"{i % 100:02d}").mkdir(exist_ok=True)
+        Image.fromarray(img).save(tmp / f"{i % 100:02d}" / f"{i:06d}.jpg", quality=90)
+    (tmp / ".complete").touch()
+    tmp.rename(root)
+    return root
+
+
+CHECK = """import resource, sys, time
+from trainkit import data
+t = time.perf_counter()
+src = data.inspect_frames(sys.argv[1] or None, (60, 80))
+print(src.count, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def folder_scale(n: int, a, current, work: Path) -> dict:
+    """The driver's check alone (a fresh process: seconds, peak MiB), then submit to first step on
+    Ray, for the built-in frames and for a folder of n JPEGs."""
+    folder = frames_folder(n)
+    out = {"files": n}
+    for label, where in (("builtin", ""), ("folder", str(folder))):
+        count, secs, peak = subprocess.run([sys.executable, "-c", CHECK, where], cwd=REPO, check=True,
+                                           capture_output=True, text=True).stdout.split()
+        job_args = ["--batch-size", "128", "--image-size", "60x80", *(["--data", where] if where else [])]
+        r = measure("ddp_autoencoder", "ray", argparse.Namespace(epochs=1), current, work, 0, job_args)
+        out[label] = {"frames": int(count), "driver_check_s": float(secs), "driver_peak_mib": float(peak),
+                      "launch_to_first_step_s": r["launch_to_first_step_s"], "wall_s": r["wall_s"]}
+        print(f"[bench] {label}: {count} frames, driver check {float(secs):.1f} s (peak {float(peak):.0f} "
+              f"MiB), submit to first step {r['launch_to_first_step_s']:.1f} s", flush=True)
+    first = {k: out[k]["launch_to_first_step_s"] for k in ("builtin", "folder")}
+    out["first_step_ratio"] = first["folder"] / first["builtin"]
+    print(f"[bench] {n} JPEGs against the built-in frames: submit to first step "
+          f"{out['first_step_ratio']:.2f}x (target <= 2x)", flush=True)
+    return out
 
 
 def summarize(runs: dict) -> dict:
@@ -168,12 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
     p.add_argument("--limit", type=int, default=None, help="autoencoder frames (default: all 6472)")
+    p.add_argument("--folder-scale", type=int, default=0, metavar="N",
+                   help="also time a folder of N JPEGs against the built-in frames (0: skip)")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.png "
                                                "(default: $DLC_HOME/bench/<date-time>)")
     a = p.parse_args(argv)
     jobs = [j for j in a.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
-    if unknown or a.repeats < 1 or a.epochs < 1:
+    if unknown or a.repeats < 1 or a.epochs < 1 or a.folder_scale < 0:
         raise UserError(f"--jobs must name some of {', '.join(JOBS)} and --repeats/--epochs be >= 1")
     if a.limit:
         JOBS["ddp_autoencoder"] = [*JOBS["ddp_autoencoder"], "--limit", str(a.limit)]
@@ -192,12 +253,15 @@ def main(argv: list[str] | None = None) -> None:
                     runs[job][launcher].append(r)
                     print(f"[bench]   first step after {r['launch_to_first_step_s']:.1f} s, epoch "
                           f"{r['train_epoch_s']:.1f} s, wall {r['wall_s']:.1f} s", flush=True)
-    summary = summarize(runs)
+        scale = folder_scale(a.folder_scale, a, current, Path(tmp)) if a.folder_scale else None
+    summary = summarize(runs) if jobs else {}
     text = table(summary)
     print("\n" + text)
     (out / "bench.json").write_text(json.dumps({"cluster": current.name, "epochs": a.epochs,
-                                                "summary": summary, "runs": runs}, indent=2) + "\n")
-    plot(summary, out / "bench.png")
+                                                "summary": summary, "runs": runs, "folder_scale": scale},
+                                               indent=2) + "\n")
+    if summary:
+        plot(summary, out / "bench.png")
     print(f"\n[bench] {out / 'bench.json'}\n[bench] {out / 'bench.png'}")
 
 

@@ -396,7 +396,8 @@ EMULATED = (REPO / "ansible/inventories/emulated/hosts.yml").read_text()
     ("missing-key", lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
      "does not exist"),
     ("unparsable", lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
-    ("uid-taken", lambda t: t.replace("    ray_object_store_memory:",
+    # as on Ubuntu's cloud images, whose `ubuntu` login holds uid 1000: here `ops` holds 1001
+    ("uid-taken", lambda t: t.replace("    ray_object_store_memory:", "    dlc_ray_user: raysvc\n"
                                       "    dlc_ray_user_uid: 1001\n    ray_object_store_memory:"),
      "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; node-3: uid 1001 belongs to ops"),
 ])
