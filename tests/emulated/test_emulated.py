@@ -76,8 +76,8 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
                                "172.31.251.10", "3142"], input=PROBE, capture_output=True, text=True,
                               timeout=120, check=True).stdout
     assert json.loads(stranger) == []
-    node = emulated.ssh("node-2", "python3", "-c",
-                        "import socket; socket.create_connection(('172.31.251.10', 3142))")
+    connect = "import socket; socket.create_connection(('172.31.251.10', 3142))"
+    node = emulated.ssh("node-2", f'python3 -c "{connect}"')  # one word for the remote shell
     assert node.returncode == 0, node.stderr
 
 
@@ -279,9 +279,9 @@ def probe(container: str, addrs: list[str], ports: set[int]) -> set[str]:
 
 
 def test_smoke_passes_while_an_outsider_finds_only_ssh(emulated, tmp_path):
-    """make smoke runs every trainer across the cluster. Meanwhile an outsider on node-1's public
-    network (routing to the private addresses through node-1, as anyone on that segment could)
-    tries every port node-1 listens on, on both its addresses: only ssh answers. The bastion, on the
+    """make smoke runs every trainer across the cluster. Meanwhile, every few seconds, an outsider
+    on node-1's public network (routing to the private addresses through node-1, as anyone on that
+    segment could) tries every port node-1 listens on, on both its addresses: only ssh answers. The bastion, on the
     private network, probes the same ports: Ray's answer it (the probe can see an open port)."""
     idle = {port for _, port in listening("dlc-emu-node-1")}
     report = tmp_path / "smoke.json"
@@ -298,6 +298,7 @@ def test_smoke_passes_while_an_outsider_finds_only_ssh(emulated, tmp_path):
         ports = {port for _, port in now}
         outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODES["node-1"]], ports | {22})
         inside |= probe("dlc-emu-bastion", [NODES["node-1"]], ports)
+        time.sleep(4)  # each trainer runs for half a minute or more: a few looks each, on 2 cores
     smoke.wait(timeout=60)
     reader.join(timeout=30)
     print("".join(out_lines)[-6000:])

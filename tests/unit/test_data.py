@@ -81,6 +81,26 @@ def test_truncated_image_is_caught(tmp_path):
         data.inspect_frames(str(tmp_path), (40, 60))
 
 
+def test_many_images_are_checked_in_parallel_and_the_first_bad_one_is_named(tmp_path):
+    """600 JPEGs in 3 folders: checked in chunks on threads; of two truncated JPEGs (one early in
+    a late chunk's order, one late) the first in sorted order is the one named, every time."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(600):
+        folder = tmp_path / f"part{i % 3}"
+        folder.mkdir(exist_ok=True)
+        Image.fromarray((rng.random((24, 32, 3)) * 255).astype("uint8")).save(folder / f"{i:04d}.jpg")
+    files = data.list_images(tmp_path)
+    assert len(files) == 600 and files == sorted(files)
+    assert data.inspect_frames(str(tmp_path), (40, 60)).count == 600
+    for f in (files[450], files[10]):
+        f.write_bytes(f.read_bytes()[:-200])
+    for _ in range(3):
+        with pytest.raises(UserError, match=f"cannot read image {files[10]} .*truncated"):
+            data.check_images(files, chunk=16)
+
+
 def test_a_file_that_is_not_a_video(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(UserError, match="is a file but not a video"):
