@@ -281,8 +281,9 @@ def probe(container: str, addrs: list[str], ports: set[int]) -> set[str]:
 def test_smoke_passes_while_an_outsider_finds_only_ssh(emulated, tmp_path):
     """make smoke runs every trainer across the cluster. Meanwhile, every few seconds, an outsider
     on node-1's public network (routing to the private addresses through node-1, as anyone on that
-    segment could) tries every port node-1 listens on, on both its addresses: only ssh answers. The bastion, on the
-    private network, probes the same ports: Ray's answer it (the probe can see an open port)."""
+    segment could) tries every port node-1 listens on, on both its addresses: only ssh answers.
+    The bastion, on the private network, probes the same ports: Ray's answer it (the probe can see
+    an open port)."""
     idle = {port for _, port in listening("dlc-emu-node-1")}
     report = tmp_path / "smoke.json"
     smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"],
