@@ -130,6 +130,8 @@ class Job:
                     self.say(f"resuming after epoch {start} from {last.where}")
         if world.rank == 0 and run.attempts is not None:
             run.attempts.start.remote(start, world.size, time.time())
+        elif world.rank == 0:
+            self.started_at = getattr(self, "started_at", None) or time.time()
         if start < run.epochs:
             return start
         if world.rank == 0:
@@ -218,6 +220,7 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
     run_ = make_run(job, args, "ray", plan.use_gpu, attempts)
     say(job.name, f"run {run_.name}: {job.describe(config)}; {plan.describe()}, batch "
                   f"{run_.batch_size} per worker, {run_.epochs} epoch(s); storage {run_.storage_path}")
+    job.prepared_at = time.time()
     trainer = trainer_class(
         ray_worker, train_loop_config={"job": job, "run": run_, "config": config},
         scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
@@ -273,6 +276,7 @@ def alone(job: Job, args: argparse.Namespace, launcher: str) -> Published | None
         config = job.prepare(args)
         cluster.check_batch(args.batch_size, job.train_size(config), world.size)
         run_ = make_run(job, args, launcher, world.use_gpu)
+        job.prepared_at = time.time()
         if world.rank == 0:
             say(job.name, f"run {run_.name} under {launcher}: {job.describe(config)}; {world.size} "
                           f"process(es) on {world.device_kind}, batch {run_.batch_size} per process, "
@@ -296,6 +300,15 @@ def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: 
     t0 = time.perf_counter()
     starts = again.get("attempts") or [{}]
     first_step_at = starts[0].get("first_step_at") or getattr(job, "first_step_at", None)
+    import psutil  # Ray's dependency, in every environment the jobs run in
+
+    # where a start's time goes: this process (Ray's job driver, or rank 0) started, had checked
+    # its flags and data, the workers entered training (model built, checkpoint restored), the
+    # first step ended
+    timeline = {"process_start_at": psutil.Process().create_time(),
+                "prepared_at": getattr(job, "prepared_at", None),
+                "workers_started_at": starts[0].get("started_at") or getattr(job, "started_at", None),
+                "first_step_at": first_step_at}
     meta = read_meta(folder)
     world_size = meta["metrics"]["world_size"]  # after an elastic restart: the last epoch's
     inputs = job.held_out(config)
@@ -307,7 +320,7 @@ def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: 
         metrics=meta["metrics"], world_size=world_size, packages=job.packages,
         extra={"launcher": run_.launcher, **job.manifest(config, run_), **meta.get("replicas", {}),
                "restarts": again,
-               "timeline": {"first_step_at": first_step_at, "export_s": export_s},
+               "timeline": {**timeline, "export_s": export_s},
                "run": {**{f.name: getattr(run_, f.name) for f in fields(run_) if f.name != "attempts"},
                        "checkpoint": where, "epochs_trained": meta["epoch"],
                        "signature": meta.get("signature", {}), "data": job.describe(config)}},

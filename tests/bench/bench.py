@@ -45,6 +45,11 @@ JOBS = {  # the job's flags for a short run of each (the same under both launche
     "horovod_mnist": ["--batch-size", "64"],
     "tf_cnn": ["--batch-size", "8", "--per-class", "64"],
 }
+# launch to first step, in four: the launcher starts the process that checks the data (Ray: job
+# submission, the job's runtime env and driver), it checks flags and data, the workers start
+# (Ray: the worker group's actors, process group; all: model built, checkpoint restored), the
+# first step
+STARTUP = ("to_process", "prepare", "to_workers", "to_first_step")
 ENV = {"OMP_NUM_THREADS": "1"}  # one thread per worker, as Ray gives each of its workers
 
 
@@ -85,8 +90,13 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
     if any(p.returncode for p in procs):
         raise UserError(f"{job} under {launcher} failed:\n" + "\n".join(log[-2000:] for log in logs))
     m = json.loads((out / "manifest.json").read_text())
-    metrics = m["metrics"]
-    return {"launch_to_first_step_s": m["timeline"]["first_step_at"] - t0,
+    metrics, tl = m["metrics"], m["timeline"]
+    marks = [t0, tl.get("process_start_at"), tl.get("prepared_at"), tl.get("workers_started_at"),
+             tl["first_step_at"]]
+    # where launch to first step went (None where a mark is missing)
+    split = {f"{k}_s": (b - a if a and b else None) for k, a, b in zip(
+        STARTUP, marks, marks[1:], strict=True)}
+    return {**split, "launch_to_first_step_s": tl["first_step_at"] - t0,
             "train_epoch_s": metrics["dataflow_s"] + metrics["processing_s"],
             "validation_s": metrics["validation_s"],
             "export_verify_s": m["timeline"]["export_s"] + m["parity"]["seconds"],
@@ -96,16 +106,17 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
 
 def frames_folder(n: int) -> Path:
     """n JPEGs of 60x80 (the built-in frames, cycled and shifted so no two files are alike), in
-    100 subfolders, made once under $DLC_CACHE."""
+    100 subfolders, made once under $DLC_HOME."""
     import numpy as np
     from PIL import Image
 
     from trainkit import data
 
-    root = Path(os.environ.get("DLC_CACHE", "~/.cache/dlcluster")).expanduser() / f"bench-frames-{n}"
+    root = Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser() / f"bench-frames-{n}"
     if (root / ".complete").exists():
         return root
     frames = data.builtin_frames(size=(60, 80))
+    root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=root.name, dir=root.parent))
     for i in range(n):
         if i % 10000 == 0:
@@ -145,6 +156,20 @@ def folder_scale(n: int, a, current, work: Path) -> dict:
     print(f"[bench] {n} JPEGs against the built-in frames: submit to first step "
           f"{out['first_step_ratio']:.2f}x (target <= 2x)", flush=True)
     return out
+
+
+def startup_table(runs: dict) -> str:
+    """Medians of the four parts of launch to first step, per job and launcher."""
+    head = " | ".join(k.replace("_", " ") for k in STARTUP)
+    lines = [f"| job | launcher | {head} | launch to first step |", "|---|---|" + "---|" * (len(STARTUP) + 1)]
+    for job, by in runs.items():
+        for launcher, rs in by.items():
+            cells = []
+            for k in (*STARTUP, "launch_to_first_step"):
+                vals = [r[f"{k}_s"] for r in rs if r.get(f"{k}_s") is not None]
+                cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+            lines.append(f"| {job} | {launcher} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def summarize(runs: dict) -> dict:
@@ -257,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs) if jobs else {}
     text = table(summary)
     print("\n" + text)
+    if runs:
+        print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
     (out / "bench.json").write_text(json.dumps({"cluster": current.name, "epochs": a.epochs,
                                                 "summary": summary, "runs": runs, "folder_scale": scale},
                                                indent=2) + "\n")

@@ -13,7 +13,7 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
     env = {**cluster.env, "PYTHONPATH": str(REPO), "DLC_HOME": str(tmp_path)}
     env.pop("DASHBOARD_PORT", None)  # the record says where the job API is
     cmd = [sys.executable, "tests/bench/bench.py", "--jobs", "ddp_autoencoder", "--repeats", "1",
-           "--epochs", "1", "--limit", "300", "--out", str(tmp_path / "out")]
+           "--epochs", "1", "--limit", "300", "--folder-scale", "300", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-4000:], proc.stderr[-3000:])
     assert proc.returncode == 0
@@ -24,8 +24,16 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
         (run,) = report["runs"]["ddp_autoencoder"][launcher]
         assert run["launcher"] == want and run["world_size"] == 2
         assert 0 < run["launch_to_first_step_s"] < run["wall_s"] and run["train_epoch_s"] > 0
+        parts = [run[f"{k}_s"] for k in ("to_process", "prepare", "to_workers", "to_first_step")]
+        assert all(p is not None and p >= 0 for p in parts), parts  # four parts, in order
     for k, ratio in s["ratio_ray_over_plain"].items():
         assert ratio > 0, k
     assert "| ddp_autoencoder (torchrun) | wall |" in proc.stdout
+    assert "| ddp_autoencoder | ray |" in proc.stdout  # where launch to first step went
+    # a folder of 300 JPEGs against the built-in frames: the driver's check and the first step
+    scale = report["folder_scale"]
+    assert scale["files"] == 300 and scale["folder"]["frames"] == 300
+    assert scale["builtin"]["frames"] == 6472 and scale["folder"]["driver_peak_mib"] > 0
+    assert scale["first_step_ratio"] > 0
     assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(tmp_path / "out" / "bench.png") > 10_000
