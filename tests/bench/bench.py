@@ -95,7 +95,7 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
              tl["first_step_at"]]
     # where launch to first step went (None where a mark is missing)
     split = {f"{k}_s": (b - a if a and b else None) for k, a, b in zip(
-        STARTUP, marks, marks[1:], strict=True)}
+        STARTUP, marks[:-1], marks[1:], strict=True)}
     return {**split, "launch_to_first_step_s": tl["first_step_at"] - t0,
             "train_epoch_s": metrics["dataflow_s"] + metrics["processing_s"],
             "validation_s": metrics["validation_s"],
