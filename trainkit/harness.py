@@ -229,7 +229,8 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
     # meanwhile, not after training (on the 2-core machine: 1.7 s of every run's wall time)
     from concurrent.futures import ThreadPoolExecutor
 
-    ahead = ThreadPoolExecutor(1, thread_name_prefix="publish-ahead").submit(ready_to_publish, job, config)
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="publish-ahead").submit(ready_to_publish, job, config,
+                                                                              attempts)
     trainer = trainer_class(
         ray_worker, train_loop_config={"job": job, "run": run_, "config": config},
         scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
@@ -303,9 +304,17 @@ def alone(job: Job, args: argparse.Namespace, launcher: str) -> Published | None
 
 
 # ------------------------------------------------------------------ publishing
-def ready_to_publish(job: Job, config: dict) -> np.ndarray:
+def ready_to_publish(job: Job, config: dict, attempts=None) -> np.ndarray:
     """What publishing needs besides the final checkpoint: the held-out inputs; and the
-    exporters imported."""
+    exporters imported. With `attempts` (on Ray): once the workers have taken their first step,
+    so this does not compete with their start for the CPU."""
+    if attempts is not None:
+        import ray
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                "first_step_at" in start for start in ray.get(attempts.all.remote())):
+            time.sleep(1)
     inputs = job.held_out(config)
     import onnxruntime  # noqa: F401
 
