@@ -330,12 +330,12 @@ def publish(job: Job, run_: Run, config: dict, folder: Path, where: str, again: 
     t0 = time.perf_counter()
     starts = again.get("attempts") or [{}]
     first_step_at = starts[0].get("first_step_at") or getattr(job, "first_step_at", None)
-    import psutil  # Ray's dependency, in every environment the jobs run in
+    from . import IMPORTED_AT
 
-    # where a start's time goes: this process (Ray's job driver, or rank 0) started, had checked
-    # its flags and data, the workers entered training (model built, checkpoint restored), the
-    # first step ended
-    timeline = {"process_start_at": psutil.Process().create_time(),
+    # where a start's time goes: this process (Ray's job driver, or rank 0) reached the harness,
+    # had checked its flags and data, the workers entered training (model built, checkpoint
+    # restored), the first step ended
+    timeline = {"imported_at": IMPORTED_AT,
                 "prepared_at": getattr(job, "prepared_at", None),
                 "workers_started_at": starts[0].get("started_at") or getattr(job, "started_at", None),
                 "first_step_at": first_step_at}

@@ -45,8 +45,9 @@ JOBS = {  # the job's flags for a short run of each (the same under both launche
     "horovod_mnist": ["--batch-size", "64"],
     "tf_cnn": ["--batch-size", "8", "--per-class", "64"],
 }
-# launch to first step, in four: the launcher starts the process that checks the data (Ray: job
-# submission, the job's runtime env and driver), it checks flags and data, the workers start
+# launch to first step, in four: the launcher starts the process that checks the data, until it
+# reaches the harness (Ray: job submission, the job's runtime env and driver), it checks flags
+# and data (and imports the trainer), the workers start
 # (Ray: the worker group's actors, process group; all: model built, checkpoint restored), the
 # first step
 STARTUP = ("to_process", "prepare", "to_workers", "to_first_step")
@@ -91,7 +92,7 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
         raise UserError(f"{job} under {launcher} failed:\n" + "\n".join(log[-2000:] for log in logs))
     m = json.loads((out / "manifest.json").read_text())
     metrics, tl = m["metrics"], m["timeline"]
-    marks = [t0, tl.get("process_start_at"), tl.get("prepared_at"), tl.get("workers_started_at"),
+    marks = [t0, tl.get("imported_at"), tl.get("prepared_at"), tl.get("workers_started_at"),
              tl["first_step_at"]]
     # where launch to first step went (None where a mark is missing)
     split = {f"{k}_s": (b - a if a and b else None) for k, a, b in zip(
