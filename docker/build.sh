@@ -2,7 +2,8 @@
 # make image: build the CPU image (default) or, with GPU=1, the CUDA one from docker/Dockerfile.
 #
 # Variables (defaults in brackets):
-#   GPU         0: CPU image on a plain Debian base; 1: CUDA image (NCCL operations)      [0]
+#   GPU         0: CPU image on a plain Debian base; 1: CUDA image (NCCL operations; TensorFlow in
+#               its own virtualenv with its CUDA 12 libraries, /opt/tf-venv)           [0]
 #   IMAGE       the tag                                          [dlcluster:cpu / dlcluster:gpu]
 #   BASE_IMAGE  CPU: [dlcluster/base:bookworm], made by docker/mkbase.sh when missing;
 #               GPU: [nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04], must be in the local engine
@@ -47,7 +48,10 @@ if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
 fi
 t_base=$((SECONDS - start))
 
-scripts/wheelhouse.sh --link .whl >/dev/null
+# the GPU image also gets TensorFlow's CUDA 12 environment (.whl/tf; empty for the CPU image)
+tf_args=() tf_venv=''
+if [ "$GPU" = 1 ]; then tf_args=(--tf-cuda); tf_venv=/opt/tf-venv; fi
+scripts/wheelhouse.sh "${tf_args[@]}" --link .whl >/dev/null
 t_wheels=$((SECONDS - start - t_base))
 
 secret=()
@@ -79,7 +83,7 @@ b0=$SECONDS
 set +e
 "$DOCKER" build --progress=plain -f docker/Dockerfile -t "$IMAGE" "${secret[@]}" \
   --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON_VERSION="$pyver" \
-  --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
+  --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
   tee "$log" | grep --line-buffered -E '^#[0-9]+ (\[[a-z]+ +[0-9]+/[0-9]+\]|CACHED$)|ERROR' | show_steps
 rc=${PIPESTATUS[0]}
 set -e

@@ -13,8 +13,14 @@
 #     horovod-0.28.1.tar.gz  the sdist scripts/build_horovod.sh compiles (checked by its sha256);
 #     torch/              hard links to torch, torchvision, their dependencies, pip, setuptools and
 #                         wheel, with a requirements.txt pinning each (the image's first layer).
+#     tf/                 with --tf-cuda only: TensorFlow's own environment for the GPU image, the
+#                         runtime pins without torch, torchvision and onnxscript, with
+#                         tensorflow[and-cuda] (its CUDA 12 libraries: nvidia-*-cu12, about 3 GB,
+#                         which torch's CUDA 13 wheels would shadow in one environment), fully
+#                         pinned in tf/requirements.txt; collected once (tf/.complete).
 #   --link DIR  also mirror it into DIR (hard links, so no second copy on the same file system):
-#               make image links it into .whl/ in the repository, the docker build context.
+#               make image links it into .whl/ in the repository, the docker build context;
+#               DIR/tf/ is empty unless --tf-cuda is given too (a CPU build's context stays small).
 # pip wheel takes its files from pip's configuration (find-links, extra indexes, its cache); the
 # first run takes minutes (about 7 GB), later ones return at once (a .complete marker).
 set -euo pipefail
@@ -25,9 +31,15 @@ CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
 HVD_SDIST=horovod-0.28.1.tar.gz
 die() { echo "wheelhouse: error: $*" >&2; exit 1; }
 
-link=
-if [ "${1:-}" = "--link" ]; then [ $# -eq 2 ] || die "usage: $0 [--link DIR]"; link=$2; shift 2; fi
-[ $# -eq 0 ] || die "usage: $0 [--link DIR]"
+usage="usage: $0 [--tf-cuda] [--link DIR]"
+link='' tf_cuda=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tf-cuda) tf_cuda=1; shift ;;
+    --link) [ $# -ge 2 ] || die "$usage"; link=$2; shift 2 ;;
+    *) die "$usage" ;;
+  esac
+done
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
 
 key=$("$PYTHON" scripts/envkey.py)
@@ -78,10 +90,30 @@ EOF
   done
 fi
 
+if [ "$tf_cuda" = 1 ] && [ ! -f "$house/tf/.complete" ]; then
+  echo "wheelhouse: collecting TensorFlow's CUDA 12 environment into $house/tf (first time; about 3 GB)" >&2
+  rm -rf "$house/tf"
+  mkdir -p "$house/tf"
+  { grep -vE '^(torch|torchvision|onnxscript|tensorflow)==' "$house/requirements.txt"
+    sed -n 's/^tensorflow==/tensorflow[and-cuda]==/p' "$house/requirements.txt"; } >"$house/tf/requirements.in"
+  # the CUDA 12 wheels come from the package index; the rest are the house's own files
+  "$PYTHON" -m pip download -q --find-links "$house" -c "$house/constraints.txt" -d "$house/tf" \
+    -r "$house/tf/requirements.in" pip==25.3 "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
+    || die "pip download of TensorFlow's CUDA 12 environment failed; log: $house/pip.log"
+  for f in "$house"/tf/*.whl; do
+    n=${f##*/}
+    if [ -f "$house/$n" ]; then ln -f "$house/$n" "$f"; fi
+    echo "${n%%-*}==$(cut -d- -f2 <<<"$n")"
+  done >"$house/tf/requirements.txt"
+  if grep -qiE '^torch(vision)?==' "$house/tf/requirements.txt"; then die "TensorFlow's environment pulled in torch"; fi
+  touch "$house/tf/.complete"
+fi
+
 if [ -n "$link" ]; then
   rm -rf "$link"
   mkdir -p "$link"
   # hard links where the file system allows, a copy where it does not
   cp -al "$house"/. "$link"/ 2>/dev/null || { rm -rf "$link"; cp -a "$house" "$link"; }
+  if [ "$tf_cuda" = 0 ]; then rm -rf "$link/tf"; mkdir "$link/tf"; fi
 fi
 echo "$house"

@@ -6,21 +6,36 @@ checks the cluster's totals first and fails fast with one line instead.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
 
 
-def connect() -> tuple[dict, int]:
+def connect(python_env: str | None = None) -> tuple[dict, int]:
     """Join the Ray cluster (RAY_ADDRESS, as `ray job submit` sets it): its resource totals and
-    how many nodes are alive."""
+    how many nodes are alive. With `python_env`, the job's workers run the interpreter that
+    variable names on their node (worker_python)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, runtime_env=worker_python(python_env))
     return ray.cluster_resources(), sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def worker_python(python_env: str | None) -> dict | None:
+    """Ray's runtime env for workers that run the interpreter `$python_env` names on their own node
+    (Ray starts a worker with `bash -c "exec <py_executable> ..."` there), else this driver's
+    interpreter; nothing when the job was submitted with its own py_executable, which wins."""
+    if not python_env:
+        return None
+    submitted = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if (submitted.get("runtime_env") or {}).get("py_executable"):
+        return None
+    return {"py_executable": f'"${{{python_env}:-{sys.executable}}}"'}
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class Job:
     epochs: int = 1
     lr: float = 1e-3
     worker_help: str = "data-parallel workers (one process each)"
+    # on Ray: the environment variable naming the interpreter its workers run (set per node: the
+    # GPU image points TensorFlow's at its own virtualenv); None: the node's default interpreter
+    worker_python_env: str | None = None
 
     # ---- the job's part
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
@@ -210,7 +213,7 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
     flags.resolve(args, job.name)
     trainer_class = ray_trainer(job.trainer)  # before anything imports Ray Train
     config = job.prepare(args)
-    totals, nodes = cluster.connect()
+    totals, nodes = cluster.connect(job.worker_python_env)
     plan = cluster.plan_workers(args.num_workers, args.use_gpu, totals, nodes,
                                 placement=args.placement, elastic=job.trainer != "horovod")
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
@@ -389,8 +392,8 @@ def replica(arrays) -> str:
 
 
 # the harness's own metrics; the rest are the job's
-COUNTERS = {"epoch", "world_size", "device", "launcher", "backend", "train_iters", "val_iters",
-            "iters_per_epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s",
+COUNTERS = {"epoch", "world_size", "device", "worker_python", "launcher", "backend", "train_iters",
+            "val_iters", "iters_per_epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s",
             "validation_s", "epoch_s", "gpu_memory_peak_mb"}
 
 

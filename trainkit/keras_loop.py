@@ -16,6 +16,7 @@ host's time between steps.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +95,9 @@ class KerasJob(Job):
     trainer = "tensorflow"
     launchers = ("ray", "tf_config", "local")
     packages = ("tf-keras", "tf2onnx")
+    # TensorFlow wants CUDA 12 libraries, torch brings CUDA 13 ones under the same file names: the
+    # GPU image gives TF jobs' workers a virtualenv of their own and names it here
+    worker_python_env = "DLC_TF_PYTHON"
 
     def model(self, config: dict):
         raise NotImplementedError
@@ -194,9 +198,10 @@ class EpochReport(_Callback):
         train_s = (end - self.t0) - self.validation
         metrics = {k: float(v) for k, v in (logs or {}).items()}
         metrics.update(epoch=epoch + 1, world_size=self.world.size, device="gpu" if self.world.use_gpu
-                       else "cpu", launcher=self.run.launcher, dataflow_s=train_s - self.processing,
-                       processing_s=self.processing, validation_s=self.validation,
-                       epoch_s=end - self.t0, samples_per_s=self.samples / train_s)
+                       else "cpu", worker_python=sys.executable, launcher=self.run.launcher,
+                       dataflow_s=train_s - self.processing, processing_s=self.processing,
+                       validation_s=self.validation, epoch_s=end - self.t0,
+                       samples_per_s=self.samples / train_s)
         check = replicas(self.world.gather(replica(self.model.get_weights())))
         if self.world.rank == 0:
             progress(self.job.name, epoch + 1, self.run.epochs, metrics)

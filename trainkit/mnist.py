@@ -52,12 +52,18 @@ def ensure_builtin(root: Path) -> Path:
     if all((raw / f).exists() for pair in FILES.values() for f in pair):
         return root
     raw.mkdir(parents=True, exist_ok=True)
+    for train, (images, labels) in builtin_split().items():
+        write_idx(raw / FILES[train][0], images)
+        write_idx(raw / FILES[train][1], labels)
+    return root
+
+
+def builtin_split() -> dict[bool, tuple[np.ndarray, np.ndarray]]:
+    """The built-in digits split once, the same way everywhere: {train?: (images, labels)}."""
     images, labels = builtin_digits()
     order = np.random.default_rng(0).permutation(len(images))
-    for train, idx in ((True, order[:BUILTIN_TRAIN]), (False, order[BUILTIN_TRAIN:])):
-        write_idx(raw / FILES[train][0], images[idx])
-        write_idx(raw / FILES[train][1], labels[idx])
-    return root
+    return {train: (images[idx], labels[idx])
+            for train, idx in ((True, order[:BUILTIN_TRAIN]), (False, order[BUILTIN_TRAIN:]))}
 
 
 def check_dir(data_dir: str) -> Path:

@@ -14,7 +14,11 @@ verify, and the whole run's wall time. Printed: min/median/max per launcher and 
 the medians (Ray / plain); written: a JSON file and a PNG plot.
 
     python tests/bench/bench.py [--jobs ddp_autoencoder,...] [--repeats 3] [--epochs 2] [--out DIR]
-                                [--folder-scale 100000]
+                                [--mnist-train 60000] [--tf-per-class 512] [--folder-scale 100000]
+
+Epochs are long enough to judge a per-epoch ratio: Horovod trains on an MNIST-sized set (the
+built-in digits, shifted, to --mnist-train images, written once under $DLC_HOME), TensorFlow on
+--tf-per-class built-in crops per class (0 for either: the jobs' own small defaults).
 
 --folder-scale N also measures a folder of N small JPEGs (made once, cached) against the built-in
 frames: the driver's check of it alone (seconds, peak memory) and the autoencoder's submit to
@@ -127,6 +131,34 @@ def frames_folder(n: int) -> Path:
         Image.fromarray(img).save(tmp / f"{i % 100:02d}" / f"{i:06d}.jpg", quality=90)
     (tmp / ".complete").touch()
     tmp.rename(root)
+    return root
+
+
+def mnist_folder(n: int) -> Path:
+    """An MNIST-format set (what --data-dir reads) of n training digits: the built-in ones cycled,
+    each copy shifted by up to 2 pixels so no two are alike; the test set is the built-in one.
+    Made once under $DLC_HOME."""
+    import numpy as np
+
+    from trainkit import mnist
+
+    root = Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser() / f"bench-mnist-{n}"
+    raw = root / "MNIST" / "raw"
+    if (root / ".complete").exists():
+        return root
+    split = mnist.builtin_split()
+    images, labels = split[True]
+    rng = np.random.default_rng(n)
+    idx = np.arange(n) % len(images)
+    shifts = rng.integers(-2, 3, size=(n, 2))
+    out = np.stack([np.roll(images[i], tuple(s), axis=(0, 1)) for i, s in zip(idx, shifts, strict=True)])
+    raw.mkdir(parents=True, exist_ok=True)
+    mnist.write_idx(raw / mnist.FILES[True][0], out)
+    mnist.write_idx(raw / mnist.FILES[True][1], labels[idx])
+    for f, array in zip(mnist.FILES[False], split[False], strict=True):
+        mnist.write_idx(raw / f, array)
+    (root / ".complete").touch()
+    print(f"[bench] wrote {n} MNIST-format training digits under {root}", flush=True)
     return root
 
 
@@ -253,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
     p.add_argument("--limit", type=int, default=None, help="autoencoder frames (default: all 6472)")
+    p.add_argument("--mnist-train", type=int, default=60000, metavar="N",
+                   help="Horovod: an MNIST-format set of N training digits (0: the built-in 1500)")
+    p.add_argument("--tf-per-class", type=int, default=512, metavar="N",
+                   help="TensorFlow: N built-in images per class (0: the bench's 64)")
     p.add_argument("--folder-scale", type=int, default=0, metavar="N",
                    help="also time a folder of N JPEGs against the built-in frames (0: skip)")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.png "
@@ -260,10 +296,15 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     jobs = [j for j in a.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
-    if unknown or a.repeats < 1 or a.epochs < 1 or a.folder_scale < 0:
-        raise UserError(f"--jobs must name some of {', '.join(JOBS)} and --repeats/--epochs be >= 1")
+    if unknown or a.repeats < 1 or a.epochs < 1 or min(a.folder_scale, a.mnist_train, a.tf_per_class) < 0:
+        raise UserError(f"--jobs must name some of {', '.join(JOBS)}, --repeats/--epochs be >= 1 and "
+                        "--mnist-train/--tf-per-class/--folder-scale >= 0")
     if a.limit:
         JOBS["ddp_autoencoder"] = [*JOBS["ddp_autoencoder"], "--limit", str(a.limit)]
+    if a.mnist_train and "horovod_mnist" in jobs:
+        JOBS["horovod_mnist"] = [*JOBS["horovod_mnist"], "--data-dir", str(mnist_folder(a.mnist_train))]
+    if a.tf_per_class:
+        JOBS["tf_cnn"] = [*JOBS["tf_cnn"], "--per-class", str(a.tf_per_class)]
     current = record.load()  # the cluster `make cluster-up` brought up, wherever its job API is
     out = Path(a.out) if a.out else (Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
                                      / "bench" / time.strftime("%Y%m%d-%H%M%S"))

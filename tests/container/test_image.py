@@ -171,23 +171,150 @@ def test_gpu_build_without_its_base_says_how_to_get_it():
     assert "docker load" in last or "load -i" in last
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None,
-                    reason="no nvcc (CUDA toolkit) on this machine: the NCCL build cannot be compiled")
-def test_gpu_image_path_compiles_horovod_with_nccl(image):
+NO_NVCC = "no nvcc (CUDA toolkit) on this machine: the GPU image's stand-in base cannot be made"
+
+
+@pytest.fixture(scope="module")
+def gpu_image(image):
     """docker/Dockerfile's GPU path on a stand-in for the CUDA base (the Debian base + this machine's
-    CUDA toolkit, docker/cuda-standin.sh): Horovod compiled with NCCL operations for one architecture
-    (CUDA_ARCHS, HOROVOD_BUILD_CUDA_CC_LIST), checked by the build (check-build lists NCCL) and here.
-    A broken GPU build fails here even without a GPU; running NCCL needs one."""
+    CUDA toolkit, docker/cuda-standin.sh), Horovod's NCCL operations for one architecture
+    (CUDA_ARCHS=90): everything the GPU image holds but the driver and NVIDIA's cuDNN package,
+    which no job uses (torch and TensorFlow bring their own cuDNN wheels)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip(NO_NVCC)
     proc = sh("docker/cuda-standin.sh", timeout=600)
     assert proc.returncode == 0, proc.stdout
     base = proc.stdout.strip().splitlines()[-1]
-    gpu_image = "dlcluster:gpu-standin"
-    proc = sh("docker/build.sh", env={"GPU": "1", "BASE_IMAGE": base, "IMAGE": gpu_image, "CUDA_ARCHS": "90"},
+    gpu = "dlcluster:gpu-standin"
+    proc = sh("docker/build.sh", env={"GPU": "1", "BASE_IMAGE": base, "IMAGE": gpu, "CUDA_ARCHS": "90"},
               timeout=3600)
     assert proc.returncode == 0, f"docker/build.sh GPU=1 failed:\n{proc.stdout[-4000:]}"
+    return gpu
+
+
+def in_gpu_image(gpu_image: str, *cmd: str, volumes: dict | None = None, timeout: int = 600):
+    args = [DOCKER, "run", "--rm", "--network", NETWORK, f"--shm-size={SHM}"]
+    for host, target in (volumes or {}).items():
+        args += ["-v", f"{host}:{target}"]
+    return sh(*args, gpu_image, *cmd, timeout=timeout)
+
+
+def test_gpu_image_path_compiles_horovod_with_nccl(gpu_image):
+    """Horovod compiled with NCCL operations, checked by the build (check-build lists NCCL) and
+    here. A broken GPU build fails here even without a GPU; running NCCL needs one."""
     code = ("import torch, horovod.torch as hvd; hvd.init(); "
             "print(hvd.nccl_built(), hvd.cuda_built(), hvd.gloo_built())")
-    proc = sh(DOCKER, "run", "--rm", "--network", NETWORK, gpu_image, "python", "-c", code)
+    proc = in_gpu_image(gpu_image, "python", "-c", code)
     assert proc.returncode == 0, proc.stdout[-3000:]
     nccl, cuda, gloo = proc.stdout.strip().splitlines()[-1].split()
     assert int(nccl) > 0 and cuda == "True" and gloo == "True"
+
+
+# Which CUDA libraries an environment's nvidia-* wheels hold, loaded the way the framework's loader
+# does (dlopen by file name from its own package folders, dependencies first), and their versions
+# as the libraries themselves report them. No GPU or driver is needed to load them.
+CUDA_LIBS = r"""
+import ctypes, json, site, sys
+from pathlib import Path
+roots = [Path(p) / "nvidia" for p in site.getsitepackages()]
+found = {}
+for root in roots:
+    for lib in sorted(root.glob("**/lib/lib*.so*")):
+        found.setdefault(lib.name, str(lib))
+want = json.loads(sys.argv[1])
+loaded, failed = {}, {}
+for _ in range(3):  # the libraries need each other: retry what failed once the rest are in
+    for name in want:
+        if name in loaded or name not in found:
+            continue
+        try:
+            ctypes.CDLL(found[name], mode=ctypes.RTLD_GLOBAL)
+            loaded[name] = found[name]
+            failed.pop(name, None)
+        except OSError as e:
+            failed[name] = str(e)
+def call(name, fn, *out):
+    v = ctypes.c_int()
+    getattr(ctypes.CDLL(found[name]), fn)(*([ctypes.byref(v)] if not out else out))
+    return v.value
+versions = {}
+if "libcudart.so.12" in loaded or "libcudart.so.13" in loaded:
+    versions["cudart"] = call(next(n for n in loaded if n.startswith("libcudart")), "cudaRuntimeGetVersion")
+if "libcudnn.so.9" in loaded:
+    lib = ctypes.CDLL(found["libcudnn.so.9"]); lib.cudnnGetVersion.restype = ctypes.c_size_t
+    versions["cudnn"] = lib.cudnnGetVersion()
+if "libnccl.so.2" in loaded:
+    versions["nccl"] = call("libnccl.so.2", "ncclGetVersion")
+print(json.dumps({"missing": sorted(set(want) - set(found)), "failed": failed,
+                  "where": loaded, "versions": versions}))
+"""
+TF_LIBS = ["libcudart.so.12", "libcublasLt.so.12", "libcublas.so.12", "libcufft.so.11", "libcurand.so.10",
+           "libnvJitLink.so.12", "libcusparse.so.12", "libcusolver.so.11", "libcudnn.so.9", "libnccl.so.2"]
+TORCH_LIBS = ["libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcudnn.so.9", "libnccl.so.2"]
+
+
+def load_report(gpu_image: str, python: str, libs: list[str]) -> dict:
+    proc = in_gpu_image(gpu_image, python, "-c", CUDA_LIBS, json.dumps(libs))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["missing"] == [] and report["failed"] == {}, report
+    return report
+
+
+def test_gpu_image_tensorflow_has_its_cuda_12_libraries(gpu_image):
+    """TensorFlow's virtualenv (DLC_TF_PYTHON) holds the CUDA 12 libraries TF was built for, they
+    load, and they are the versions TF's build names; it holds no torch (whose CUDA 13 libraries
+    share the file names)."""
+    code = ("import json, os, sys, importlib.util as u, tensorflow as tf; b = tf.sysconfig.get_build_info(); "
+            "print(json.dumps({'python': sys.executable, 'env': os.environ['DLC_TF_PYTHON'], "
+            "'cuda': b['cuda_version'], 'cudnn': b['cudnn_version'], "
+            "'torch': u.find_spec('torch') is not None}))")
+    proc = in_gpu_image(gpu_image, "/opt/tf-venv/bin/python", "-c", code)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    build = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert build["env"] == build["python"] == "/opt/tf-venv/bin/python" and not build["torch"], build
+    assert build["cuda"].startswith("12.") and build["cudnn"].split(".")[0] == "9", build
+    report = load_report(gpu_image, "/opt/tf-venv/bin/python", TF_LIBS)
+    assert all(p.startswith("/opt/tf-venv/") for p in report["where"].values()), report["where"]
+    v = report["versions"]
+    assert v["cudart"] // 1000 == 12 and v["cudart"] >= int(build["cuda"].replace(".", "")[:2]) * 1000, v
+    assert v["cudnn"] // 10000 == int(build["cudnn"].split(".")[0]) and v["nccl"] // 10000 == 2, v
+
+
+def test_gpu_image_torch_has_its_cuda_13_libraries(gpu_image):
+    """The main environment's torch: CUDA 13 libraries, the cuDNN and NCCL torch was built with."""
+    code = ("import json, torch; print(json.dumps({'cuda': torch.version.cuda, "
+            "'cudnn': torch.backends.cudnn.version(), 'nccl': list(torch.cuda.nccl.version())}))")
+    proc = in_gpu_image(gpu_image, "python", "-c", code)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    build = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert build["cuda"].startswith("13."), build
+    report = load_report(gpu_image, "python", TORCH_LIBS)
+    assert all(p.startswith("/opt/venv/") for p in report["where"].values()), report["where"]
+    v = report["versions"]
+    assert v["cudart"] // 1000 == 13 and v["cudnn"] == build["cudnn"], (v, build)
+    major, minor, patch = build["nccl"]
+    assert v["nccl"] == major * 10000 + minor * 100 + patch, (v, build)
+
+
+def test_gpu_image_tf_job_on_ray_runs_its_workers_in_tensorflow_s_environment(gpu_image, tmp_path):
+    """The TF job through Ray in the GPU image: the driver in /opt/venv, its workers in
+    /opt/tf-venv (the runtime env's py_executable, from the node's DLC_TF_PYTHON); trains, exports,
+    verifies. `--use-gpu true` where TensorFlow sees no GPU is one line, not a CPU run."""
+    home = tmp_path / "dlcluster"
+    home.mkdir()
+    home.chmod(0o777)  # the image's user is not root
+    proc = in_gpu_image(gpu_image, "python", "jobs/tf_cnn.py", "--launcher", "ray", "--num-workers", "1",
+                        "--per-class", "8", "--batch-size", "4", "--epochs", "1", "--name", "tfvenv",
+                        volumes={home: "/home/dlc/dlcluster"}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    manifest = json.loads((home / "models" / "tfvenv" / "manifest.json").read_text())
+    assert manifest["metrics"]["worker_python"] == "/opt/tf-venv/bin/python", manifest["metrics"]
+    assert manifest["launcher"] == "ray" and manifest["parity"]["max_abs_diff"] <= 1e-4
+    proc = in_gpu_image(gpu_image, "/opt/tf-venv/bin/python", "jobs/tf_cnn.py", "--launcher", "local",
+                        "--use-gpu", "true", "--per-class", "8", "--epochs", "1", "--name", "nogpu",
+                        volumes={home: "/home/dlc/dlcluster"})
+    assert proc.returncode != 0
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "--use-gpu true but TensorFlow 2.21.0 sees no GPU (built for CUDA 12." in last, last
+    assert not (home / "runs" / "nogpu").exists()

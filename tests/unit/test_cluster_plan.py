@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainkit.cluster import check_batch, plan_workers
+from trainkit.cluster import check_batch, plan_workers, worker_python
 from trainkit.errors import UserError
 
 
@@ -59,3 +59,40 @@ def test_elastic_workers_need_room_for_the_fewest():
         plan_workers((4, 6), "false", {"CPU": 2}, nodes=2)
     with pytest.raises(UserError, match=r"cannot change its number of workers \(Ray Train V1\)"):
         plan_workers((1, 2), "false", {"CPU": 2}, nodes=2, elastic=False)
+
+
+# Ray's own worker start (RuntimeEnvContext.exec_worker: `bash -c "exec <py_executable> ..."`) with the
+# py_executable a TF job sets: the node's $DLC_TF_PYTHON, else the driver's interpreter
+RAY_EXEC = """import sys
+from ray._private.runtime_env.context import RuntimeEnvContext
+from ray.core.generated.common_pb2 import Language
+RuntimeEnvContext(py_executable=sys.argv[1]).exec_worker(["-c", "import sys; print(sys.executable)"],
+                                                        Language.PYTHON)
+"""
+
+
+def worker_interpreter(py_executable: str, env: dict) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DLC_TF_PYTHON"} | env
+    proc = subprocess.run([sys.executable, "-c", RAY_EXEC, py_executable], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_tf_workers_run_the_interpreter_their_node_names(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    runtime_env = worker_python("DLC_TF_PYTHON")
+    other = tmp_path / "tf venv" / "python"  # another interpreter, in a path with a space
+    other.parent.mkdir()
+    other.symlink_to(sys.executable)
+    assert worker_interpreter(runtime_env["py_executable"], {"DLC_TF_PYTHON": str(other)}) == str(other)
+    assert worker_interpreter(runtime_env["py_executable"], {}) == sys.executable  # not set on the node
+    assert worker_python(None) is None
+    # a job submitted with its own py_executable keeps it
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"py_executable": "python -X dev"}}')
+    assert worker_python("DLC_TF_PYTHON") is None
