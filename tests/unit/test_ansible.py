@@ -22,6 +22,7 @@ sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import ansible_failure  # noqa: E402
+import dlc_gpu  # noqa: E402
 import dlc_preflight  # noqa: E402
 import dlc_ssh  # noqa: E402
 
@@ -183,18 +184,69 @@ def test_ray_unit_requires_the_shared_storage_mount():
                              undefined=jinja2.StrictUndefined)
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
     env.filters["bool"] = bool
-    unit = env.get_template("dlc-ray.service.j2").render(
-        ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
-        dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
-        dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
-        dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray", ray_home="/var/lib/ray",
-        dlc_image="dlcluster:gpu", ray_start_args=["--address=10.0.0.1:6379"])
+    node = dict(ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
+                dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
+                dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
+                dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray",
+                ray_home="/var/lib/ray", dlc_image="dlcluster:gpu",
+                ray_start_args=["--address=10.0.0.1:6379"])
+    unit = env.get_template("dlc-ray.service.j2").render(**node)
     lines = unit.splitlines()
     assert "RequiresMountsFor=/srv/data" in lines
     assert "Requires=dlc-firewall.service" in lines and "After=dlc-firewall.service" in lines
     assert any(line.startswith("After=") and "srv-data.mount" in line for line in lines)
     start = next(line for line in lines if line.startswith("ExecStart=/usr/bin/docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
+    assert "--network host" in start and "-v /etc/dlcluster/ray_token:/etc/dlcluster/ray_token:ro" in start
+    # the same node without GPUs: no --gpus (docker refuses it where no NVIDIA runtime exists)
+    cpu_node = env.get_template("dlc-ray.service.j2").render(**{**node, "ray_num_gpus_effective": 0,
+                                                               "dlc_image": "dlcluster:cpu"})
+    start = next(line for line in cpu_node.splitlines() if line.startswith("ExecStart=/usr/bin/docker run"))
+    assert "--gpus" not in start and "dlcluster:cpu ray start --block" in start
+
+
+def slurped(text: str | None, msg: str = "") -> dict:
+    """What ansible.builtin.slurp returns (with failed_when: false) for a file holding text, or none."""
+    import base64
+
+    if text is None:
+        return {"failed": False, "msg": msg or "file not found: /etc/docker/daemon.json"}
+    return {"content": base64.b64encode(text.encode()).decode(), "encoding": "base64", "failed": False}
+
+
+@pytest.mark.parametrize("text, needs", [
+    (None, True),                                                      # no file: nvidia-ctk writes it
+    ('{"log-driver": "journald", "data-root": "/data/docker"}', True),  # a site's own: merged in
+    ('{"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}', False),
+    ("", True),
+])
+def test_gpu_node_gets_the_nvidia_runtime_even_with_its_own_daemon_json(text, needs):
+    """The engine's settings get the NVIDIA runtime wherever they lack it; an existing daemon.json
+    no longer skips it (the role used `creates:`)."""
+    assert dlc_gpu.needs_nvidia_runtime(slurped(text)) is needs
+    assert dlc_gpu.daemon_json_problem(slurped(text), "gpu-node-1") == ""
+
+
+@pytest.mark.parametrize("result", [slurped('{"log-driver": "journald",'), slurped("[1, 2]"),
+                                    slurped(None, "Permission denied")])
+def test_unreadable_daemon_json_is_one_line_and_nothing_changes(result):
+    line = dlc_gpu.daemon_json_problem(result, "gpu-node-1")
+    assert line.startswith("gpu-node-1: /etc/docker/daemon.json cannot be read as the engine's settings (")
+    assert line.endswith("fix or move it away, then run again (nothing was changed on gpu-node-1)")
+    assert "\n" not in line and not dlc_gpu.needs_nvidia_runtime(result)
+
+
+def test_gpu_nodes_keep_nvml_after_a_daemon_reload():
+    """NVIDIA's fix for containers losing NVML (nvidia-container-toolkit#48) is in the role: the
+    udev rule making /dev/char links whenever the driver loads, and the links made now."""
+    tasks = yaml.safe_load((ANSIBLE / "roles/nvidia/tasks/main.yml").read_text())
+    block = next(t for t in tasks if t.get("name") == "Driver and container toolkit")["block"]
+    rule = next(t for t in block if t["name"] == "Make the /dev/char links whenever the driver loads")
+    assert rule["ansible.builtin.copy"]["dest"] == "/lib/udev/rules.d/71-nvidia-dev-char.rules"
+    assert ('ACTION=="add", DEVPATH=="/bus/pci/drivers/nvidia", RUN+="/usr/bin/nvidia-ctk system '
+            'create-dev-char-symlinks --create-all"') in rule["ansible.builtin.copy"]["content"]
+    now = next(t for t in block if t["name"] == "Make the /dev/char links now")
+    assert now["ansible.builtin.command"] == "nvidia-ctk system create-dev-char-symlinks --create-all"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("iptables-restore"),
