@@ -18,6 +18,7 @@ A job is a `Job` subclass (through `torch_loop.TorchJob` or `keras_loop.KerasJob
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import socket
@@ -256,6 +257,11 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
 
 def ray_worker(loop_config: dict) -> None:
     """What every Ray Train worker runs."""
+    # A Ray worker's heap holds Ray, Ray Train and their imports (about 450 000 objects the garbage
+    # collector tracks, against a third of that after freezing): each full collection walks them
+    # all. Frozen, the collector skips them (measured, Horovod job, 2 epochs: 0.54-0.60 s of
+    # collections per worker down to 0.15-0.22 s).
+    gc.freeze()
     loop_config["job"].fit(loop_config["run"], loop_config["config"])
 
 
