@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -279,6 +280,19 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def machine() -> dict:
+    """The CPU the figures were measured on (ratios hold across machines, seconds do not)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated jobs")
@@ -310,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
                                      / "bench" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     runs: dict = {job: {"plain": [], "ray": []} for job in jobs}
+    host = machine()
+    print(f"[bench] {host['cpu']}, {host['cores']} cores; cluster {current.name}", flush=True)
     with tempfile.TemporaryDirectory(prefix="dlc-bench-") as tmp:
         for i in range(a.repeats):
             for job in jobs:
@@ -326,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + text)
     if runs:
         print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
-    (out / "bench.json").write_text(json.dumps({"cluster": current.name, "epochs": a.epochs,
+    (out / "bench.json").write_text(json.dumps({"cluster": current.name, "machine": host,
+                                                "epochs": a.epochs,
                                                 "summary": summary, "runs": runs, "folder_scale": scale},
                                                indent=2) + "\n")
     if summary:
