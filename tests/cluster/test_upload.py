@@ -16,10 +16,13 @@ PROBE = """
 import json, os, ray
 names = ["id_ed25519", "ansible/inventories/mylab/hosts.yml", ".git/config", ".git/HEAD",
          "jobs/ddp_autoencoder.py"]
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
 seen = lambda: (ray.get_runtime_context().get_node_id(), {n: os.path.exists(n) for n in names})
 ray.init()
-probe = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(seen)
-print("SEEN " + json.dumps([seen(), *ray.get([probe.remote() for _ in range(4)])]))
+# one task pinned to each alive node (SPREAD is best effort: a CI run got both on one node)
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+probes = [ray.remote(num_cpus=0, scheduling_strategy=On(n, soft=False))(seen).remote() for n in nodes]
+print("SEEN " + json.dumps([seen(), *ray.get(probes)]))
 """
 
 
