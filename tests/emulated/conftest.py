@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainkit import record
 
@@ -29,6 +30,9 @@ INVENTORY = REPO / "ansible/inventories/emulated/hosts.yml"
 BIN = Path(sys.executable).parent
 PORT = 8265  # the README's job API address: http://127.0.0.1:8265
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
+# the bastion container's address on the private network, as the emulated inventory names it
+BASTION_PRIVATE = (yaml.safe_load(INVENTORY.read_text())["all"]["children"]["bastions"]["hosts"]
+                   ["bastion"]["ip"])
 
 
 def run(cmd: list[str], env: dict, timeout: int = 900, check: bool = False) -> subprocess.CompletedProcess:

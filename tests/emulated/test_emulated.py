@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, NODES, PORT, REPO, recap, run
+from conftest import BASTION_PRIVATE, BIN, NODES, PORT, REPO, recap, run
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -478,7 +478,7 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
     proxy the default inventory runs on the bastion). A second run changes nothing. (The first
     may: docker rewrites /etc/hosts of a node container killed by an earlier test.)"""
     inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
-                                          "    dlc_apt_proxy: http://172.31.251.10:3142\n")
+                                          f"    dlc_apt_proxy: http://{BASTION_PRIVATE}:3142\n")
     block = ["OUTPUT", "-d", "172.31.250.10", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
              "-j", "REJECT"]
     run(["iptables", "-I", *block], emulated.env, check=True)

@@ -300,7 +300,7 @@ def test_probe_reads_every_kind_of_apt_source_and_the_sites_proxy(tmp_path):
     assert probe.mirrors(str(tmp_path)) == [("deb.debian.org", 80), ("download.docker.com", 443),
                                             ("security.debian.org", 80), ("mirror.lab", 8080)]
     # cluster-up's own proxy file is not the site's (the run replaces or removes it)
-    (tmp_path / "apt.conf.d/01dlcluster-proxy").write_text('Acquire::http::Proxy "http://10.0.0.10:3142";\n')
+    (tmp_path / "apt.conf.d/01dlcluster-proxy").write_text('Acquire::http::Proxy "http://bastion.lab:3142";\n')
     assert probe.site_proxy(str(tmp_path)) is None
     (tmp_path / "apt.conf.d/80site").write_text('// the site\nAcquire::http::Proxy "http://proxy.lab:3128";\n')
     assert probe.site_proxy(str(tmp_path)) == "http://proxy.lab:3128"
@@ -352,10 +352,10 @@ def test_package_problem_groups_nodes_by_reason_and_names_the_fix():
     assert "n2, n3: direct to deb.debian.org:80: the name does not resolve" in line
     assert "n4: no python3 on the node" in line
     assert "dlc_bastion_apt_proxy: true" in line and line.endswith("nothing was changed on any node")
-    site = dlc_preflight.package_problem(res[1:2], "http://p:3128", False, "10.0.0.10")
+    site = dlc_preflight.package_problem(res[1:2], "http://p:3128", False, "bastion.lab")
     assert "the package proxy http://p:3128 (dlc_apt_proxy)" in site
-    ours = dlc_preflight.package_problem(res[1:2], "http://10.0.0.10:3142", True, "10.0.0.10")
-    assert "must reach the bastion at 10.0.0.10" in ours
+    ours = dlc_preflight.package_problem(res[1:2], "http://bastion.lab:3142", True, "bastion.lab")
+    assert "must reach the bastion at bastion.lab" in ours
 
 
 def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(tmp_path):
