@@ -384,17 +384,19 @@ def digest(arrays) -> str:
 
 def replicas(found: list[str]) -> dict:
     """The check every job makes after each epoch: all ranks hold the same parameters. `found`:
-    each rank's "<host> <digest>" (rank order), from `replica()` gathered over the world."""
-    hosts, digests = zip(*(f.split(" ", 1) for f in found), strict=True)
+    each rank's "<host> <runtime> <digest>" (rank order), from `replica()` gathered over the world."""
+    hosts, runtimes, digests = zip(*(f.split(" ", 2) for f in found), strict=True)
     in_sync = len(set(digests)) == 1
     if not in_sync:
         raise RuntimeError(f"ranks ended the epoch with different parameters: {list(digests)}")
-    return {"replicas_in_sync": in_sync, "replica_digests": list(digests), "replica_hosts": list(hosts)}
+    return {"replicas_in_sync": in_sync, "replica_digests": list(digests), "replica_hosts": list(hosts),
+            "replica_runtimes": list(runtimes)}
 
 
 def replica(arrays) -> str:
-    """This rank's part of the replica check: its host and its parameters' digest."""
-    return f"{socket.gethostname()} {digest(arrays)}"
+    """This rank's part of the replica check: its host, how Ray runs there (DLC_RAY_RUNTIME, set by
+    the node's dlc-ray service: docker or host; "-" elsewhere) and its parameters' digest."""
+    return f"{socket.gethostname()} {os.environ.get('DLC_RAY_RUNTIME') or '-'} {digest(arrays)}"
 
 
 # the harness's own metrics; the rest are the job's

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import EXIT_USER_ERROR, UserError
 
-FORMAT = "dlcluster-cluster/1"
+FORMAT = "dlcluster-cluster/2"
 RECORD = "cluster.json"
 CLIENT_ENV = "ray-client.env"
 # Ray's default working-dir excludes less .git: .rayignore keeps its refs only (no config, no
@@ -48,6 +48,9 @@ class Node(BaseModel):
     role: Literal["head", "worker"]
     cpus: int = Field(ge=0, description="CPUs Ray offers on the node")
     gpus: int = Field(ge=0, description="GPUs Ray offers on the node")
+    runtime: Literal["host", "docker"] | None = Field(
+        None, description="how Ray runs on this node: in the project's image (docker) or in a "
+                          "Python environment on the node (host); null on the local cluster")
 
     @field_validator("ip")
     @classmethod
@@ -62,7 +65,7 @@ class ClusterRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["dlcluster-cluster/1"] = Field(FORMAT, description="this record's format")
+    format: Literal["dlcluster-cluster/2"] = Field(FORMAT, description="this record's format")
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$",
                       description='"local" for the embedded cluster, else the inventory folder\'s name')
     kind: Literal["local", "ansible"]
@@ -74,7 +77,6 @@ class ClusterRecord(BaseModel):
                                                      "through the bastion (set with bastion)")
     bastion: str | None = Field(None, description="the bastion's Host in ssh_config")
     storage: str | None = Field(None, description="shared storage path on the nodes")
-    runtime: Literal["host", "docker"] | None = Field(None, description="how Ray runs on the nodes")
     inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
 
     @field_validator("job_api")

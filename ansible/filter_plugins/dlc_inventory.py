@@ -11,6 +11,7 @@ import re
 
 RUNTIMES = ("docker", "host")
 STORAGES = ("nfs", "path")
+IMAGE_SOURCES = ("registry", "archive", "control")
 # variables that must be absolute paths on the nodes
 PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "docker_image_dir")
 # whole numbers >= low ("" means "Ray decides" for the resources)
@@ -77,6 +78,13 @@ def host_problems(host: str, hv) -> list:
     if "dlc_ray_runtime" in hv and hv["dlc_ray_runtime"] not in RUNTIMES:
         out.append(f"{host}: dlc_ray_runtime is '{hv['dlc_ray_runtime']}': set docker (Ray in the "
                    f"project's image) or host (Ray in a virtualenv on the node)")
+    if "docker_image_from" in hv and str(hv["docker_image_from"]) not in IMAGE_SOURCES:
+        out.append(f"{host}: docker_image_from is '{hv['docker_image_from']}': set registry (the "
+                   f"nodes pull dlc_image), archive (docker_image_archive is copied to each node) or "
+                   f"control (this machine's Docker engine streams dlc_image through the bastion)")
+    if str(hv.get("docker_image_from", "")) == "archive" and not str(hv.get("docker_image_archive", "")):
+        out.append(f"{host}: docker_image_from is archive but docker_image_archive is empty: set it to "
+                   f"a `docker save` archive on this machine, or docker_image_from: control")
     if "dlc_shared_storage" in hv and hv["dlc_shared_storage"] not in STORAGES:
         out.append(f"{host}: dlc_shared_storage is '{hv['dlc_shared_storage']}': set nfs (the head "
                    f"exports it) or path (a filesystem you already share)")

@@ -4,7 +4,9 @@
 #   usage: tests/emulated/emulate.sh up|down|status
 #
 #   up      a bastion on a public and a private docker network, three nodes on the private one
-#           only (systemd, sshd, an `ops` sudo account), a docker volume mounted at
+#           only (systemd, sshd, an `ops` sudo account; node-3 may also run a Docker engine, for
+#           the docker runtime: the cgroup tree writable and its own disk for /var/lib/docker, so
+#           the engine the docker role installs runs containers), a docker volume mounted at
 #           /srv/dlcluster on every node as the operator-named shared storage, and the host
 #           blocked from the private network (iptables), so the only way in is ssh through the
 #           bastion. The ssh key is made here at run time ($DLC_CONFIG/emulated/id_ed25519) and
@@ -33,6 +35,7 @@ OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24
 NODE1_OUT=172.31.252.11 OUTSIDER=172.31.252.99
 BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10 GATEWAY_PUB=172.31.250.20
 VOLUME=dlc-emu-shared
+DIND_NODES=" node-3 " DIND_VOLUME_PREFIX=dlc-emu-docker-
 NODE_IMAGE=dlcluster/emu-node BASTION_IMAGE=dlcluster/emu-bastion
 
 say() { echo "emulate: $*"; }
@@ -40,11 +43,13 @@ die() { echo "emulate: error: $*" >&2; exit 2; }
 node_ip() { echo "172.31.251.1${1#node-}"; }
 exists() { "$DOCKER" inspect "$1" >/dev/null 2>&1; }
 
-# Systemd as PID 1 in a container: its own /run, the cgroup tree read-only, and the capabilities
-# this VM grants (--privileged is refused here; FINDINGS.md).
-SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro
-              --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined
-              --security-opt systempaths=unconfined --restart unless-stopped)
+# Systemd as PID 1 in a container: its own /run, the capabilities this VM grants (--privileged
+# is refused here; FINDINGS.md), and the cgroup tree read-only (CGROUP_RO) except on a node
+# with its own Docker engine.
+SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock --cap-add ALL --cap-drop SYS_RESOURCE
+              --security-opt seccomp=unconfined --security-opt systempaths=unconfined
+              --restart unless-stopped)
+CGROUP_RO=(-v /sys/fs/cgroup:/sys/fs/cgroup:ro)
 
 block_host() {  # the host reaches the private network only through the bastion (the outside one: never)
   for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
@@ -103,22 +108,35 @@ up() {
 
   local fresh=()
   if ! exists dlc-emu-bastion; then
-    "$DOCKER" run -d --name dlc-emu-bastion --hostname bastion "${SYSTEMD_OPTS[@]}" \
+    "$DOCKER" run -d --name dlc-emu-bastion --hostname bastion "${SYSTEMD_OPTS[@]}" "${CGROUP_RO[@]}" \
       --network "$PUB_NET" --ip "$BASTION_PUB" "$BASTION_IMAGE" >/dev/null
     "$DOCKER" network connect --ip "$BASTION_PRIV" "$PRIV_NET" dlc-emu-bastion
     fresh+=("$BASTION_PUB" "$BASTION_PRIV")
   fi
   # an outer gateway in front of the bastion, for sites reached through two hops
   if ! exists dlc-emu-gateway; then
-    "$DOCKER" run -d --name dlc-emu-gateway --hostname gateway "${SYSTEMD_OPTS[@]}" \
+    "$DOCKER" run -d --name dlc-emu-gateway --hostname gateway "${SYSTEMD_OPTS[@]}" "${CGROUP_RO[@]}" \
       --network "$PUB_NET" --ip "$GATEWAY_PUB" "$BASTION_IMAGE" >/dev/null
     fresh+=("$GATEWAY_PUB")
   fi
   for n in "${NODES[@]}"; do
     exists "dlc-emu-$n" && continue
+    local extra=("${CGROUP_RO[@]}")
+    if [[ $DIND_NODES == *" $n "* ]]; then
+      # a Docker engine of its own (docker-in-docker, FINDINGS.md): every device, the cgroup tree
+      # writable, a real filesystem for /var/lib/docker (overlay2 does not stack on overlay)
+      extra=(--device-cgroup-rule 'a *:* rwm' -v /sys/fs/cgroup:/sys/fs/cgroup:rw
+             -v "$DIND_VOLUME_PREFIX$n:/var/lib/docker")
+    fi
     # --shm-size: Ray's object store and the DataLoaders live in /dev/shm (docker's is 64 MB)
-    "$DOCKER" run -d --name "dlc-emu-$n" --hostname "$n" "${SYSTEMD_OPTS[@]}" --shm-size 2g \
+    "$DOCKER" run -d --name "dlc-emu-$n" --hostname "$n" "${SYSTEMD_OPTS[@]}" "${extra[@]}" --shm-size 2g \
       --network "$PRIV_NET" --ip "$(node_ip "$n")" -v "$VOLUME:/srv/dlcluster" "$NODE_IMAGE" >/dev/null
+    if [[ $DIND_NODES == *" $n "* ]]; then
+      # as a site's own engine settings would: its containers' cgroups under the engine's own
+      # (cgroupfs, relative), not beside this machine's containers; the docker role keeps the file
+      "$DOCKER" exec "dlc-emu-$n" sh -c 'mkdir -p /etc/docker && [ -f /etc/docker/daemon.json ] ||
+        echo "{\"cgroup-parent\": \"dlc-node\"}" >/etc/docker/daemon.json'
+    fi
     fresh+=("$(node_ip "$n")")
     if [ "$n" = node-1 ]; then "$DOCKER" network connect --ip "$NODE1_OUT" "$OUT_NET" dlc-emu-node-1; fi
   done
@@ -158,6 +176,7 @@ down() {
     exists "$net" && "$DOCKER" network rm "$net" >/dev/null
   done
   "$DOCKER" volume rm "$VOLUME" >/dev/null 2>&1 || true
+  for n in $DIND_NODES; do "$DOCKER" volume rm "$DIND_VOLUME_PREFIX$n" >/dev/null 2>&1 || true; done
   for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
     while iptables -D OUTPUT -o "$bridge" -j REJECT 2>/dev/null; do :; done
   done

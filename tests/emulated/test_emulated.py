@@ -102,6 +102,10 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     assert manifest["world_size"] == 3
     # --num-workers auto: one rank on each node, as the ranks themselves reported
     assert sorted(manifest["replica_hosts"]) == ["node-1", "node-2", "node-3"], manifest["replica_hosts"]
+    # a mixed cluster, as during a migration: node-3's rank ran in the project's image (its
+    # dlc-ray service runs Ray in a container there), the others in the nodes' virtualenv
+    runtimes = dict(zip(manifest["replica_hosts"], manifest["replica_runtimes"], strict=True))
+    assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
     head = run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
     assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
 

@@ -16,14 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def remote(**changes) -> dict:
-    nodes = [{"name": "node-1", "ip": "172.31.251.11", "role": "head", "cpus": 8, "gpus": 1},
-             {"name": "node-2", "ip": "172.31.251.12", "role": "worker", "cpus": 8, "gpus": 1},
-             {"name": "node-3", "ip": "172.31.251.13", "role": "worker", "cpus": 16, "gpus": 2}]
+    nodes = [{"name": "node-1", "ip": "172.31.251.11", "role": "head", "cpus": 8, "gpus": 1,
+              "runtime": "host"},
+             {"name": "node-2", "ip": "172.31.251.12", "role": "worker", "cpus": 8, "gpus": 1,
+              "runtime": "host"},
+             {"name": "node-3", "ip": "172.31.251.13", "role": "worker", "cpus": 16, "gpus": 2,
+              "runtime": "docker"}]
     return {"format": record.FORMAT, "name": "lab", "kind": "ansible",
             "job_api": "http://127.0.0.1:8265",
             "token_path": "/home/u/.config/dlcluster/clusters/lab/ray_token", "nodes": nodes,
             "ssh_config": "/home/u/.config/dlcluster/clusters/lab/ssh_config", "bastion": "bastion",
-            "storage": "/srv/dlcluster", "runtime": "docker", "inventory": "/x/hosts.yml", **changes}
+            "storage": "/srv/dlcluster", "inventory": "/x/hosts.yml", **changes}
 
 
 def with_node(i: int, **changes) -> dict:
@@ -42,7 +45,8 @@ BAD = [
     (remote(nodes=[]), "nodes: List should have at least 1 item"),
     (remote(bastion=None), "ssh_config and bastion are set together"),
     (remote(ssh_config="ssh_config"), "ssh_config: Value error, must be an absolute path"),
-    (remote(runtime="podman"), "runtime: Input should be 'host' or 'docker'"),
+    (with_node(2, runtime="podman"), "nodes.2.runtime: Input should be 'host' or 'docker'"),
+    (remote(runtime="docker"), "runtime: Extra inputs are not permitted"),
     (remote(colour="blue"), "colour: Extra inputs are not permitted"),
     (with_node(1, cpus=1.5), "nodes.1.cpus: Input should be a valid integer"),
     (with_node(2, gpus=-1), "nodes.2.gpus: Input should be greater than or equal to 0"),
@@ -108,13 +112,14 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
     groups = {g: list(v.get("hosts", {})) for g, v in hosts["children"].items()}
     all_hosts = {h: v or {} for g in hosts["children"].values() for h, v in (g.get("hosts") or {}).items()}
     nodes = [{"name": h, "ip": all_hosts[h].get("ip") or all_hosts[h]["ansible_host"],
-              "role": "head" if h in groups["ray_head"] else "worker", "cpus": 8, "gpus": 0}
+              "role": "head" if h in groups["ray_head"] else "worker", "cpus": 8, "gpus": 0,
+              "runtime": all_hosts[h].get("dlc_ray_runtime") or hosts["vars"].get("dlc_ray_runtime", "docker")}
              for h in groups["ray_head"] + groups["ray_workers"]]
     cluster_dir = f"{tmp_path}/clusters/{inventory}"
     data = ansible_template(
         dlc_cluster_name=inventory, ansible_inventory_sources=[f"/x/{inventory}/hosts.yml"],
         dlc_tunnel_port=8265, dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
-        groups=groups, dlc_shared_storage_path="/srv/dlcluster", dlc_ray_runtime="docker",
+        groups=groups, dlc_shared_storage_path="/srv/dlcluster",
         control_nodes_record=nodes)
     jsonschema.validate(data, record.ClusterRecord.model_json_schema())
     r = record.ClusterRecord.model_validate(data)
