@@ -42,7 +42,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
-        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -129,8 +129,11 @@ image-report: ## the image's size per layer group and its build times, cold and 
 emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)
 	@tests/emulated/emulate.sh up
 
-emulate-down: ## remove the emulated cluster's containers, networks, volume and iptables rule
+emulate-down: ## remove the emulated cluster's containers, networks, shared volume and iptables rule (its data disks stay: images cached by content)
 	@tests/emulated/emulate.sh down
+
+emulate-purge: ## emulate-down, and the emulated servers' data disks (registry storage, node-3's Docker)
+	@tests/emulated/emulate.sh purge
 
 emulate-status: ## the emulated cluster's containers
 	@tests/emulated/emulate.sh status

@@ -48,6 +48,7 @@ export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 # Ansible's own connection sockets, per cluster: an old connection can never stand in for the
 # generated ssh config (FINDINGS: ControlPersist hides a broken config otherwise).
 export ANSIBLE_SSH_CONTROL_PATH_DIR="$config/clusters/$name/cp"
+export DLC_PROGRESS_DIR="$config/clusters/$name/progress"  # image shipping progress (callback_plugins/dlc_progress.py)
 export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing

@@ -11,7 +11,7 @@ import re
 
 RUNTIMES = ("docker", "host")
 STORAGES = ("nfs", "path")
-IMAGE_SOURCES = ("registry", "archive", "control")
+IMAGE_SOURCES = ("bastion", "registry", "archive", "control")
 # variables that must be absolute paths on the nodes
 PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "docker_image_dir")
 # whole numbers >= low ("" means "Ray decides" for the resources)
@@ -79,8 +79,9 @@ def host_problems(host: str, hv) -> list:
         out.append(f"{host}: dlc_ray_runtime is '{hv['dlc_ray_runtime']}': set docker (Ray in the "
                    f"project's image) or host (Ray in a virtualenv on the node)")
     if "docker_image_from" in hv and str(hv["docker_image_from"]) not in IMAGE_SOURCES:
-        out.append(f"{host}: docker_image_from is '{hv['docker_image_from']}': set registry (the "
-                   f"nodes pull dlc_image), archive (docker_image_archive is copied to each node) or "
+        out.append(f"{host}: docker_image_from is '{hv['docker_image_from']}': set bastion (pushed "
+                   f"once to a registry on the bastion, the nodes pull it), registry (the nodes pull "
+                   f"dlc_image from your registry), archive (docker_image_archive streamed to each node) or "
                    f"control (this machine's Docker engine streams dlc_image through the bastion)")
     if str(hv.get("docker_image_from", "")) == "archive" and not str(hv.get("docker_image_archive", "")):
         out.append(f"{host}: docker_image_from is archive but docker_image_archive is empty: set it to "

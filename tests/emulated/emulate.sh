@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The emulated cluster: real servers as containers on this machine, for `make emulate-up` and CI.
 #
-#   usage: tests/emulated/emulate.sh up|down|status
+#   usage: tests/emulated/emulate.sh up|down|purge|status
 #
 #   up      a bastion on a public and a private docker network, three nodes on the private one
 #           only (systemd, sshd, an `ops` sudo account; node-3 may also run a Docker engine, for
@@ -12,7 +12,11 @@
 #           bastion. The ssh key is made here at run time ($DLC_CONFIG/emulated/id_ed25519) and
 #           only its public half is put into the containers. Then provision it like real servers:
 #           make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml
-#   down    remove the containers, networks, volume and the iptables rule (the key stays)
+#   down    remove the containers, networks, shared volume and the iptables rule; the key and the
+#           servers' data disks stay (the bastion's registry storage, node-3's /var/lib/docker), as
+#           a real site's disks outlive a reinstall: images are then cached by content, and the
+#           next run moves only the layers that changed
+#   purge   down, and the data disks too
 #   status  what is running
 #
 # Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
@@ -35,7 +39,7 @@ OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24
 NODE1_OUT=172.31.252.11 OUTSIDER=172.31.252.99
 BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10 GATEWAY_PUB=172.31.250.20
 VOLUME=dlc-emu-shared
-DIND_NODES=" node-3 " DIND_VOLUME_PREFIX=dlc-emu-docker-
+DIND_NODES=" node-3 " DISK_PREFIX=dlc-emu-disk-
 NODE_IMAGE=dlcluster/emu-node BASTION_IMAGE=dlcluster/emu-bastion
 
 say() { echo "emulate: $*"; }
@@ -108,7 +112,9 @@ up() {
 
   local fresh=()
   if ! exists dlc-emu-bastion; then
+    # its data disk: the image registry's storage (docker_image_from: bastion)
     "$DOCKER" run -d --name dlc-emu-bastion --hostname bastion "${SYSTEMD_OPTS[@]}" "${CGROUP_RO[@]}" \
+      -v "${DISK_PREFIX}bastion:/var/lib/docker-registry" \
       --network "$PUB_NET" --ip "$BASTION_PUB" "$BASTION_IMAGE" >/dev/null
     "$DOCKER" network connect --ip "$BASTION_PRIV" "$PRIV_NET" dlc-emu-bastion
     fresh+=("$BASTION_PUB" "$BASTION_PRIV")
@@ -126,7 +132,7 @@ up() {
       # a Docker engine of its own (docker-in-docker, FINDINGS.md): every device, the cgroup tree
       # writable, a real filesystem for /var/lib/docker (overlay2 does not stack on overlay)
       extra=(--device-cgroup-rule 'a *:* rwm' -v /sys/fs/cgroup:/sys/fs/cgroup:rw
-             -v "$DIND_VOLUME_PREFIX$n:/var/lib/docker")
+             -v "$DISK_PREFIX$n:/var/lib/docker")
     fi
     # --shm-size: Ray's object store and the DataLoaders live in /dev/shm (docker's is 64 MB)
     "$DOCKER" run -d --name "dlc-emu-$n" --hostname "$n" "${SYSTEMD_OPTS[@]}" "${extra[@]}" --shm-size 2g \
@@ -176,11 +182,17 @@ down() {
     exists "$net" && "$DOCKER" network rm "$net" >/dev/null
   done
   "$DOCKER" volume rm "$VOLUME" >/dev/null 2>&1 || true
-  for n in $DIND_NODES; do "$DOCKER" volume rm "$DIND_VOLUME_PREFIX$n" >/dev/null 2>&1 || true; done
   for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
     while iptables -D OUTPUT -o "$bridge" -j REJECT 2>/dev/null; do :; done
   done
-  say "down (the key in $KEYDIR stays)"
+  say "down (the key in $KEYDIR and the data disks stay: $(disks | tr '\n' ' '))"
+}
+
+disks() { "$DOCKER" volume ls -q --filter "name=^$DISK_PREFIX"; }
+
+purge() {
+  down
+  for d in $(disks); do "$DOCKER" volume rm "$d" >/dev/null && say "removed the disk $d"; done
 }
 
 status() {
@@ -190,6 +202,7 @@ status() {
 case "${1:-}" in
   up) up ;;
   down) down ;;
+  purge) purge ;;
   status) status ;;
-  *) die "usage: $0 up|down|status" ;;
+  *) die "usage: $0 up|down|purge|status" ;;
 esac

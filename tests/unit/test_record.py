@@ -113,7 +113,8 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
     all_hosts = {h: v or {} for g in hosts["children"].values() for h, v in (g.get("hosts") or {}).items()}
     nodes = [{"name": h, "ip": all_hosts[h].get("ip") or all_hosts[h]["ansible_host"],
               "role": "head" if h in groups["ray_head"] else "worker", "cpus": 8, "gpus": 0,
-              "runtime": all_hosts[h].get("dlc_ray_runtime") or hosts["vars"].get("dlc_ray_runtime", "docker")}
+              "runtime": (all_hosts[h].get("dlc_ray_runtime")
+                          or hosts["vars"].get("dlc_ray_runtime", "docker"))}
              for h in groups["ray_head"] + groups["ray_workers"]]
     cluster_dir = f"{tmp_path}/clusters/{inventory}"
     data = ansible_template(
