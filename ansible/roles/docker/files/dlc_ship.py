@@ -4,8 +4,9 @@
                                          or an archive file (`docker save` output, gzip allowed):
                                          piped through ssh into the node's `docker load`, no file
                                          on either end
-  dlc_ship.py push IMAGE                 push IMAGE to the bastion's registry through an ssh tunnel;
-                                         prints {"ref": "<repository>@sha256:..."} for the nodes
+  dlc_ship.py push IMAGE                 push IMAGE to the bastion's registry through ssh (-W, one
+                                         per connection, bytes counted); prints {"ref":
+                                         "<registry>/<repository>@sha256:...", "bytes": ...}
 
 Common flags: --ssh-config FILE (the generated one), --progress FILE (a line every few seconds:
 how far, how fast, how long left; make cluster-up shows it under the running task).
@@ -20,7 +21,7 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,19 +37,22 @@ class Progress:
     def __init__(self, path: Path, label: str, total: int):
         self.path, self.label, self.total = path, label, total
         self.start = self.last = time.monotonic()
+        self.lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         self.write(f"{label}: starting ({gb(total)})" if total else f"{label}: starting")
 
     def write(self, line: str) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(line + "\n")
-        tmp.replace(self.path)
+        with self.lock:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(line + "\n")
+            tmp.replace(self.path)
 
     def bytes_done(self, done: int) -> None:
         now = time.monotonic()
-        if now - self.last < EVERY_S:
-            return
-        self.last = now
+        with self.lock:
+            if now - self.last < EVERY_S:
+                return
+            self.last = now
         rate = done / max(now - self.start, 1e-6)
         line = f"{self.label}: {gb(done)}"
         if self.total:
@@ -91,58 +95,98 @@ def stream(a) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Tunnel:
+    """127.0.0.1:<port> -> the registry, one `ssh -W` through the bastion per connection (docker
+    opens several), counting the bytes each way: what crossed the bastion for this push."""
+
+    def __init__(self, a, progress: Progress):
+        self.a, self.progress = a, progress
+        self.sent = self.received = 0
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", a.local_port))
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.relay, args=(conn,), daemon=True).start()
+
+    def relay(self, conn: socket.socket) -> None:
+        hop = subprocess.Popen(ssh(self.a.ssh_config, "-W", self.a.registry, self.a.bastion),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+        def up() -> None:  # docker -> registry: the layers
+            try:
+                while chunk := conn.recv(CHUNK):
+                    hop.stdin.write(chunk)
+                    hop.stdin.flush()
+                    with self.lock:
+                        self.sent += len(chunk)
+                    self.progress.bytes_done(self.sent)
+            except OSError:
+                pass
+            finally:
+                try:
+                    hop.stdin.close()
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=up, daemon=True)
+        t.start()
+        try:
+            while chunk := hop.stdout.read1(CHUNK):
+                conn.sendall(chunk)
+                with self.lock:
+                    self.received += len(chunk)
+        except OSError:
+            pass
+        finally:
+            t.join(timeout=5)
+            conn.close()
+            hop.kill()
+            hop.wait()
+
+    def close(self) -> None:
+        self.server.close()
 
 
 def push(a) -> int:
-    """docker push through `ssh -L 127.0.0.1:<port>:<registry>` (Docker trusts a loopback registry
-    over plain HTTP). The tag and the tunnel are gone afterwards; only layers the registry lacks
-    move, and the printed reference is by digest, so the nodes get exactly these bytes."""
+    """docker push to 127.0.0.1:<port> (Docker trusts a loopback registry over plain HTTP), relayed
+    through the bastion to its registry. Only layers the registry lacks move; the printed reference
+    is by digest, so the nodes get exactly these bytes. The local tag is removed afterwards."""
     name = a.image.rsplit("/", 1)[-1]
     repository, _, tag = name.partition(":")
-    port = a.local_port or free_port()
-    local = f"127.0.0.1:{port}/{repository}:{tag or 'latest'}"
+    local = f"127.0.0.1:{a.local_port}/{repository}:{tag or 'latest'}"
     progress = Progress(a.progress, f"{a.registry}", 0)
-    sock = Path(tempfile.mkdtemp(prefix="dlc-push-")) / "s"
-    tunnel = ssh(a.ssh_config, "-o", "ExitOnForwardFailure=yes", "-M", "-S", str(sock), "-f", "-N",
-                 "-L", f"127.0.0.1:{port}:{a.registry}", a.bastion)
-    opened = subprocess.run(tunnel, capture_output=True, text=True, timeout=60)
-    if opened.returncode != 0:
-        print(f"no tunnel to the registry at {a.registry} through {a.bastion}: {opened.stderr.strip()}",
-              file=sys.stderr)
+    try:
+        tunnel = Tunnel(a, progress)
+    except OSError as e:
+        print(f"cannot listen on 127.0.0.1:{a.local_port} for the push ({e}): free it or set "
+              f"docker_push_port", file=sys.stderr)
         return 1
     t0, lines, digest = time.monotonic(), [], ""
     try:
         subprocess.run(["docker", "tag", a.image, local], check=True, capture_output=True)
-        proc = subprocess.Popen(["docker", "push", local], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        state: dict[str, str] = {}
-        for line in proc.stdout:
-            line = line.strip()
-            lines.append(line)
-            if m := re.match(r"([0-9a-f]{12}): (.*)", line):
-                state[m.group(1)] = m.group(2)
-                moved = sum(v == "Pushed" for v in state.values())
-                there = sum(v == "Layer already exists" for v in state.values())
-                progress.write(f"{a.registry}: {moved + there} of {len(state)} layers done ({there} there "
-                               f"already), {time.monotonic() - t0:.0f} s")
-            if m := re.search(r"digest: (sha256:[0-9a-f]{64})", line):
-                digest = m.group(1)
-        if proc.wait() != 0 or not digest:
-            print(f"push to the registry at {a.registry} failed: {' / '.join(lines[-5:])}", file=sys.stderr)
+        proc = subprocess.run(["docker", "push", local], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        lines = proc.stdout.splitlines()
+        digests = [m.group(1) for line in lines if (m := re.search(r"digest: (sha256:[0-9a-f]{64})", line))]
+        digest = digests[-1] if digests else ""
+        if proc.returncode != 0 or not digest:
+            print(f"push to the registry at {a.registry} through {a.bastion} failed: "
+                  f"{' / '.join(lines[-5:])}", file=sys.stderr)
             return 1
     finally:
         subprocess.run(["docker", "rmi", local], capture_output=True)
-        subprocess.run(ssh(a.ssh_config, "-S", str(sock), "-O", "exit", a.bastion), capture_output=True)
-        sock.parent.rmdir() if sock.parent.exists() and not any(sock.parent.iterdir()) else None
+        tunnel.close()
     pushed = sum(line.endswith(": Pushed") for line in lines)
     s = time.monotonic() - t0
-    progress.done(f"{pushed} layer(s) pushed in {s:.0f} s")
+    progress.done(f"{pushed} layer(s), {gb(tunnel.sent)} through the bastion in {s:.0f} s")
     print(json.dumps({"ref": f"{a.registry}/{repository}@{digest}", "layers_pushed": pushed,
-                      "seconds": round(s, 1)}))
+                      "bytes": tunnel.sent, "seconds": round(s, 1)}))
     return 0
 
 
@@ -159,7 +203,7 @@ def main(argv=None) -> int:
     u.add_argument("image")
     u.add_argument("--bastion", required=True)
     u.add_argument("--registry", required=True, help="host:port the bastion reaches the registry at")
-    u.add_argument("--local-port", type=int, default=0)
+    u.add_argument("--local-port", type=int, default=35000)
     a = p.parse_args(argv)
     return stream(a) if a.cmd == "stream" else push(a)
 
