@@ -38,6 +38,25 @@ def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
     assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
 
 
+def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
+    """node-3 (docker_image_from: bastion) runs Ray in the very image this machine built, pulled by
+    digest from the registry on the bastion's private address; the push crossed the bastion once."""
+    ours = run(["docker", "image", "inspect", "--format", "{{.Id}}", "dlcluster:cpu"], emulated.env,
+               check=True).stdout.strip()
+    fmt = "{{.Id}} {{json .RepoDigests}}"
+    node_id, digests = emulated.ssh("node-3", "sudo", "docker", "image", "inspect", "--format",
+                                    f"'{fmt}'", "dlcluster:cpu").stdout.split(" ", 1)
+    assert node_id == ours
+    pulled = f"{BASTION_PRIVATE}:5000/dlcluster@sha256:"
+    assert any(d.startswith(pulled) for d in json.loads(digests)), digests
+    running = emulated.ssh("node-3", "sudo", "docker", "inspect", "--format", "'{{.Image}}'", "dlc-ray")
+    assert running.stdout.strip() == ours
+    shipped = re.search(r"node-3: dlcluster:cpu \(9\.\d+ GB\) pushed in \S+ \((\d+) layer\(s\), ([\d.]+) MB "
+                        r"through the bastion\), pulled in", " ".join(emulated.up.stdout.split()))
+    assert shipped, emulated.up.stdout[-3000:]
+    print(f"first cluster-up: {shipped.group(0)}")  # cold: every layer; warm: the changed ones
+
+
 def test_nodes_are_reachable_only_through_the_bastion(emulated, tmp_path):
     for ip in NODES.values():
         with pytest.raises(OSError):
@@ -70,15 +89,17 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
         rules6 = emulated.ssh(node, "sudo", "ip6tables", "-S").stdout
         assert "-A INPUT -j DLC-INPUT" in rules6 and "--dport 22 -j RETURN" in rules6, rules6
         assert "-s 172.31" not in rules6 and "icmp6-port-unreachable" in rules6, rules6
-    # the bastion's package proxy serves the nodes only: a stranger on the private network is refused
+    # the bastion's package proxy and image registry serve the nodes only: a stranger on the
+    # private network is refused by both
     stranger = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
                                "172.31.251.50", "--entrypoint", "python3", "dlcluster/emu-bastion", "-",
-                               "172.31.251.10", "3142"], input=PROBE, capture_output=True, text=True,
+                               BASTION_PRIVATE, "3142", "5000"], input=PROBE, capture_output=True, text=True,
                               timeout=120, check=True).stdout
     assert json.loads(stranger) == []
-    connect = "import socket; socket.create_connection(('172.31.251.10', 3142))"
-    node = emulated.ssh("node-2", f'python3 -c "{connect}"')  # one word for the remote shell
-    assert node.returncode == 0, node.stderr
+    for port in (3142, 5000):
+        connect = f"import socket; socket.create_connection(('{BASTION_PRIVATE}', {port}))"
+        node = emulated.ssh("node-2", f'python3 -c "{connect}"')  # one word for the remote shell
+        assert node.returncode == 0, (port, node.stderr)
 
 
 def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
