@@ -12,19 +12,27 @@ FIX_BASTION = ("set dlc_bastion_apt_proxy: false to use the bastion as a jump ho
                "the nodes your site's proxy (dlc_apt_proxy: http://host:port) or a route out")
 
 
-def bastion_problem(result: dict, host: str, user: str) -> str:
-    """'' when `sudo -n true; command -v python3` passed on the bastion, else one line."""
+FIX_REGISTRY = ("set docker_image_from: control (this machine streams the image to each node through "
+                "the bastion)")
+
+
+def bastion_problem(result: dict, host: str, user: str, proxy: bool = True, registry: bool = False) -> str:
+    """'' when `sudo -n true; command -v python3` passed on the bastion, else one line naming the
+    services asked of it (the package proxy, the image registry) and how to do without each."""
     if result.get("skipped") or result.get("rc", 1) == 0:
         return ""
     out = f"{result.get('stdout', '')} {result.get('stderr', '')}"
     if "NOPYTHON" in out:
-        why = "there is no python3 there, which Ansible needs to install the proxy"
+        why = "there is no python3 there, which Ansible needs to install it"
     elif "NOSUDO" in out:
         why = f"{user} has no sudo without a password there (`sudo -n true` failed)"
     else:
         why = f"the check failed: {' '.join(out.split())[:200]}"
-    return (f"{host}: the package proxy on the bastion (dlc_bastion_apt_proxy: true) needs root "
-            f"there, but {why}; {FIX_BASTION}")
+    asked = ((["the package proxy on the bastion (dlc_bastion_apt_proxy: true)"] if proxy else [])
+             + (["the image registry on the bastion (docker_image_from: bastion)"] if registry else []))
+    fixes = ([FIX_BASTION] if proxy else []) + ([FIX_REGISTRY] if registry else [])
+    return (f"{host}: {' and '.join(asked)} need{'s' if len(asked) == 1 else ''} root there, but {why}; "
+            f"{'; '.join(fixes)}")
 
 
 def package_problem(results: list, proxy: str, bastion_proxy: bool, bastion_ip: str) -> str:

@@ -466,8 +466,11 @@ JUMP = EMULATED.replace("""        bastion:
     ray_object_store_memory:""")
 
 
-def _jump_inventory(tmp_path: Path, settings: str) -> Path:
+def _jump_inventory(tmp_path: Path, settings: str, registry: bool = False) -> Path:
+    """A jump host only (no sudo): node-3's image streamed from here, unless `registry`."""
     text = JUMP.replace("    ray_object_store_memory:", settings + "    ray_object_store_memory:")
+    if not registry:
+        text = text.replace("docker_image_from: bastion", "docker_image_from: control")
     assert "ansible_port: 2222" in text and "ansible_user: jump" in text
     return _inventory(tmp_path, "emulated", text)
 
@@ -481,6 +484,12 @@ def test_a_service_asked_of_a_bastion_without_sudo_is_one_line_first(emulated, t
                            "(dlc_bastion_apt_proxy: true) needs root there, but jump has no sudo"), last
     assert "dlc_bastion_apt_proxy: false" in last and "dlc_apt_proxy" in last
     assert "PLAY [Bastion" not in proc.stdout and "PLAY [Nodes" not in proc.stdout
+    # the registry asked of it too: both named, with the way to do without each
+    proc = emulated.cluster("up", _jump_inventory(tmp_path, "", registry=True), timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout
+    assert "and the image registry on the bastion (docker_image_from: bastion) need root" in last, last
+    assert "set docker_image_from: control" in last, last
 
 
 def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tmp_path):

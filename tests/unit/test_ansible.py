@@ -334,6 +334,11 @@ def test_probe_tells_an_answering_port_from_a_refused_and_an_unknown_one(tmp_pat
 def test_bastion_problem_names_the_missing_prerequisite_and_the_variable():
     assert dlc_preflight.bastion_problem({"skipped": True}, "bastion", "jump") == ""
     assert dlc_preflight.bastion_problem({"rc": 0}, "bastion", "jump") == ""
+    nosudo = {"rc": 1, "stdout": "NOSUDO"}
+    only_registry = dlc_preflight.bastion_problem(nosudo, "bastion", "jump", False, True)
+    assert only_registry.startswith("bastion: the image registry on the bastion (docker_image_from: bastion) "
+                                    "needs root there, but jump has no sudo"), only_registry
+    assert "dlc_bastion_apt_proxy" not in only_registry and "docker_image_from: control" in only_registry
     line = dlc_preflight.bastion_problem({"rc": 1, "stdout": "NOSUDO"}, "bastion", "jump")
     assert line.startswith("bastion: the package proxy on the bastion (dlc_bastion_apt_proxy: true)")
     assert "jump has no sudo without a password" in line and "dlc_bastion_apt_proxy: false" in line
