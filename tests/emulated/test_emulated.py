@@ -485,7 +485,8 @@ def test_a_service_asked_of_a_bastion_without_sudo_is_one_line_first(emulated, t
     assert "dlc_bastion_apt_proxy: false" in last and "dlc_apt_proxy" in last
     assert "PLAY [Bastion" not in proc.stdout and "PLAY [Nodes" not in proc.stdout
     # the registry asked of it too: both named, with the way to do without each
-    proc = emulated.cluster("up", _jump_inventory(tmp_path, "", registry=True), timeout=300)
+    (tmp_path / "registry").mkdir()
+    proc = emulated.cluster("up", _jump_inventory(tmp_path / "registry", "", registry=True), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout
     assert "and the image registry on the bastion (docker_image_from: bastion) need root" in last, last
