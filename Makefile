@@ -36,12 +36,12 @@ $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files t
 endif
 
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
-       INVENTORY ANSIBLE_ARGS
+       INVENTORY ANSIBLE_ARGS PYTEST_ARGS
 VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup cluster-up cluster-status cluster-down submit demo test test-unit \
+.PHONY: help setup cluster-up cluster-status cluster-down submit demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -65,7 +65,11 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: lint test-unit test-cluster test-image test-emulated test-gpu ## every test tier (lint, unit, local cluster, images, emulated cluster, GPU: skipped without CUDA)
+test: setup ## every tier in turn (lint, unit, local cluster, image, emulated, GPU), a table, then `N passed, N failed, N skipped`
+	@$(PY) scripts/test_suite.py lint unit cluster image emulated gpu
+
+check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
+	@$(PY) scripts/test_suite.py lint unit
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)

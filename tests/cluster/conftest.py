@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +42,29 @@ class LocalCluster:
 
     def submit(self, job: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
         """`ray job submit` as the README shows it; output is stdout + stderr together."""
-        cmd = [str(BIN / "ray"), "job", "submit", "--address",
-               f"http://127.0.0.1:{self.dashboard_port}", "--working-dir", ".", "--",
-               "python", f"jobs/{job}.py", *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=self.client_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        address = f"http://127.0.0.1:{self.dashboard_port}"
+        submission = f"test-{job}-{uuid.uuid4().hex[:12]}"
+        cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
+               "--working-dir", ".", "--", "python", f"jobs/{job}.py", *args]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=self.client_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # only the client died: stop the job too, or it keeps the shared cluster's CPUs and
+            # the tests after this one fail for want of them
+            subprocess.run([str(BIN / "ray"), "job", "stop", "--address", address, submission],
+                           cwd=REPO, env=self.client_env(), capture_output=True, timeout=120)
+            raise
         print(proc.stdout[-6000:])
         return proc
+
+    def submit_all(self, job: str, cases: dict[str, list[str]], timeout: int = 240,
+                   ) -> dict[str, subprocess.CompletedProcess]:
+        """One `ray job submit` per case, all at once: for bad input, which the driver refuses
+        before any worker (or CPU) is reserved, so the submissions need not wait for each other."""
+        with ThreadPoolExecutor(len(cases)) as pool:
+            procs = pool.map(lambda args: self.submit(job, *args, timeout=timeout), cases.values())
+            return dict(zip(cases, procs, strict=True))
 
 
 def start_cluster(config: Path, port: int, dashboard_port: int, nodes: int) -> LocalCluster:

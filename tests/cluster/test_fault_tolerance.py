@@ -144,6 +144,8 @@ def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, ar
     running.wait_for(f"epoch 2/{epochs}: ")  # epoch 1's checkpoint is reported
     if job != "horovod_mnist":  # Train V2; Horovod runs on V1, whose report commits in Tune
         wait_registered(tmp_path / "runs")
+    else:  # V1 persists the checkpoint's folder on the storage before the report returns
+        wait_for("a persisted checkpoint", lambda: any((tmp_path / "runs").rglob("checkpoint_*")), 120)
     workers = ray_train_workers()
     assert workers, "no Ray Train worker process found"
     killed_at = kill(workers[-1:])

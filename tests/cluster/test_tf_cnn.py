@@ -40,17 +40,22 @@ def test_mirrored_in_one_process(tmp_path):
     check_model(out, 1, "mirrored")
 
 
+@pytest.fixture(scope="module")
+def refused(cluster, tmp_path_factory):
+    """The three bad data folders submitted at once: {case: process}."""
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "empty").mkdir()
+    (tmp / "one class" / "cats").mkdir(parents=True)
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(tmp / "one class" / "cats" / "a.png")
+    return cluster.submit_all(JOB, {case: ["--data", str(tmp / case), "--storage-path", str(tmp / "runs")]
+                                    for case in ("missing", "empty", "one class")})
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "one class"])
-def test_bad_data(cluster, tmp_path, case):
-    path = tmp_path / "images"
-    if case != "missing":
-        path.mkdir()
-    if case == "one class":
-        (path / "cats").mkdir()
-        Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(path / "cats" / "a.png")
-    proc = cluster.submit(JOB, "--data", str(path), "--storage-path", str(tmp_path / "runs"),
-                          timeout=240)
+def test_bad_data(refused, case):
+    proc = refused[case]
     assert proc.returncode != 0
+    assert "failed with exit code 2" in proc.stdout, proc.stdout[-2000:]  # the job's one-line error
     message = {"missing": "does not exist", "empty": "no class folders",
                "one class": "exactly 2 class folders"}[case]
     assert any(line.startswith(f"{JOB}: error: ") and message in line

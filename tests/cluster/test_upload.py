@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.request
+from pathlib import Path
 
 from conftest import BIN, REPO, read_manifest
 
@@ -58,4 +60,13 @@ def test_untracked_secrets_stay_on_the_client_and_the_commit_travels_as_data(clu
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert m["git_commit"] in (head, f"{head}-dirty"), m["git_commit"]
+    # the commit came as data, DLC_SUBMIT_COMMIT in the job's runtime env (not only from the
+    # uploaded .git/HEAD, which git_commit() would fall back to)
+    req = urllib.request.Request(f"http://127.0.0.1:{cluster.dashboard_port}/api/jobs/")
+    token = Path(cluster.client_env()["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        jobs = json.loads(r.read())
+    job = next(j for j in jobs if f"--output {out}" in j["entrypoint"])
+    assert job["runtime_env"]["env_vars"]["DLC_SUBMIT_COMMIT"] == m["git_commit"], job["runtime_env"]
     assert m["working_dir"].startswith("gcs://_ray_pkg_") and m["working_dir"].endswith(".zip")

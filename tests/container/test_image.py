@@ -153,14 +153,23 @@ def test_autoencoder_tiny_epoch(image, tmp_path):
     manifest = json.loads((model.parent / "manifest.json").read_text())
     assert model.stat().st_size > 0 and manifest["launcher"] == "ray"
     assert manifest["parity"]["max_abs_diff"] <= 1e-4 and manifest["world_size"] == 1
-    assert manifest["git_commit"] != "unknown"  # DLC_GIT_COMMIT, baked in at build time
+    # DLC_GIT_COMMIT, baked in at build time: this checkout's commit ("-dirty" after it when the
+    # tree had changes)
+    head = sh("git", "rev-parse", "HEAD").stdout.strip()
+    assert manifest["git_commit"].startswith(head), (manifest["git_commit"], head)
 
 
 def test_image_report(image):
     proc = sh(sys.executable, "docker/report.py", env={"IMAGE": IMAGE})
     assert proc.returncode == 0
-    assert re.search(r"^torch \+ torchvision.* [0-9.]+ GB", proc.stdout, re.M), proc.stdout
-    assert "cold" in proc.stdout and "total" in proc.stdout
+    sizes = dict(re.findall(r"^(.+?)\s+([0-9.]+ [MG]B)$", proc.stdout, re.M))
+    groups = ["OS packages + Python venv", "torch + torchvision (+ CUDA wheels)",
+              "rest of the stack (tensorflow, ray, onnx...)", "horovod + user"]
+    for group in groups:  # every layer group found in the image, none empty
+        assert group in sizes and float(sizes[group].split()[0]) > 0, (group, proc.stdout)
+    assert sizes["torch + torchvision (+ CUDA wheels)"].endswith("GB")
+    # the fixture's own build is on record (cold on a new machine, warm after), with its seconds
+    assert re.search(r"^(cold|warm): \d+ s on ", proc.stdout, re.M), proc.stdout
 
 
 def test_gpu_build_without_its_base_says_how_to_get_it():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,10 @@ from trainkit import record
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "ansible/inventories/emulated/hosts.yml"
 BIN = Path(sys.executable).parent
-PORT = 8265  # the README's job API address: http://127.0.0.1:8265
+# The tier's own tunnel port: `make demo`'s local cluster keeps the README's 127.0.0.1:8265, so the
+# quick start's two commands (make demo, then make test) run in that order, the demo still up.
+PORT = 8275
+DEMO_PORT = 8265
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
 # the bastion container's address on the private network, as the emulated inventory names it
 BASTION_PRIVATE = (yaml.safe_load(INVENTORY.read_text())["all"]["children"]["bastions"]["hosts"]
@@ -56,6 +60,7 @@ class Emulated:
     env: dict
     config: Path
     up: subprocess.CompletedProcess
+    demo: Demo
 
     @property
     def cluster_dir(self) -> Path:
@@ -107,8 +112,60 @@ class Emulated:
             time.sleep(3)
 
 
+@dataclass
+class Demo:
+    """The local cluster `make demo` leaves running on the default ports: the user's own when one is
+    there (env None), else one this tier starts as make demo would."""
+    env: dict | None
+
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{DEMO_PORT}/api/version", timeout=10):
+                return True
+        except urllib.error.HTTPError:  # 401: token auth, as it should be
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def jobs_status(self) -> int:
+        """The job API's answer to this tier's own demo cluster's token (its record): 200 when it runs."""
+        assert self.env is not None
+        desc = record.load(Path(self.env["DLC_CONFIG"]) / record.RECORD)
+        req = urllib.request.Request(f"{desc.job_api}/api/jobs/")
+        req.add_header("Authorization", f"Bearer {Path(desc.token_path).read_text().strip()}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def down(self) -> None:
+        if self.env is not None:
+            run(["scripts/cluster.sh", "down"], self.env, timeout=300)
+            self.env = None
+
+
 @pytest.fixture(scope="session")
-def emulated(tmp_path_factory):
+def demo(tmp_path_factory):
+    with socket.socket() as s:
+        busy = s.connect_ex(("127.0.0.1", DEMO_PORT)) == 0
+    if busy:
+        print(f"a cluster already answers on 127.0.0.1:{DEMO_PORT} (make demo's?): the tier runs beside it")
+        yield Demo(None)
+        return
+    config = tmp_path_factory.mktemp("demo-config")
+    env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": "6379", "DASHBOARD_PORT": str(DEMO_PORT),
+           "NODES": "2", "CPUS_PER_NODE": "0"}
+    for name in ("RAY_ADDRESS", "INVENTORY"):
+        env.pop(name, None)
+    run(["scripts/cluster.sh", "up"], env, timeout=300, check=True)
+    d = Demo(env)
+    yield d
+    d.down()
+
+
+@pytest.fixture(scope="session")
+def emulated(tmp_path_factory, demo):
     config = tmp_path_factory.mktemp("dlc-config")
     env = {**os.environ, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(PORT)}
     env.pop("RAY_ADDRESS", None)
@@ -119,6 +176,6 @@ def emulated(tmp_path_factory):
     up = run(["scripts/cluster.sh", "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=1200)
     print(f"cluster-up through the bastion: {time.time() - started:.0f} s")
     print(up.stdout[-3000:], up.stderr[-2000:])
-    yield Emulated(env, config, up)
+    yield Emulated(env, config, up, demo)
     run(["scripts/cluster.sh", "down"], {**env, "INVENTORY": str(INVENTORY)}, timeout=300)
     run(["tests/emulated/emulate.sh", "down"], env, timeout=300)

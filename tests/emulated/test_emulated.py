@@ -13,10 +13,11 @@ import socket
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import BASTION_PRIVATE, BIN, NODES, PORT, REPO, recap, run
+from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, NODES, PORT, REPO, recap, run
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -36,6 +37,21 @@ def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
         assert ip in known
     assert oct((emulated.cluster_dir / "ray_token").stat().st_mode & 0o777) == "0o600"
     assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+
+
+def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated):
+    """The quick start in its order: make demo (a local cluster on 127.0.0.1:8265, left running),
+    then make test. The emulated cluster came up beside it on the tier's own tunnel port; both
+    answer. The local cluster is then stopped, if this tier started it, for the CPUs."""
+    assert emulated.up.returncode == 0
+    assert PORT != DEMO_PORT
+    desc = json.loads((emulated.config / "cluster.json").read_text())
+    assert desc["job_api"] == f"http://127.0.0.1:{PORT}"
+    assert emulated.api("/api/jobs/", emulated.token())[0] == 200
+    assert emulated.demo.answers(), f"nothing answers on 127.0.0.1:{DEMO_PORT} any more"
+    if emulated.demo.env is not None:
+        assert emulated.demo.jobs_status() == 200
+        emulated.demo.down()
 
 
 def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
@@ -142,34 +158,54 @@ def ray_pids(emulated) -> dict[str, str]:
 def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converges(emulated, tmp_path):
     """A cluster-up that would restart Ray while a job runs stops with one line and leaves Ray (and
     the job) alone; its written files are not forgotten: the next run, stopped mid-way by a signal,
-    then run again, converges (the next test: a further run changes nothing)."""
+    then run again, converges (the next test: a further run changes nothing). The job that holds
+    the cluster sleeps: what is proved is that a running job is waited for, not training."""
     before = ray_pids(emulated)
-    job = submit(emulated, "--epochs", "3", "--name", "under-a-change", background=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        status, jobs = emulated.api("/api/jobs/", emulated.token())
-        if status == 200 and any(j["status"] == "RUNNING" for j in jobs):
-            break
-        time.sleep(2)
+    ray, job_id = [str(BIN / "ray"), "job"], f"held-{int(time.time())}"
+    run([*ray, "submit", "--no-wait", "--submission-id", job_id, "--", "sleep", "600"],
+        emulated.client_env(), timeout=120, check=True)
+
+    def status() -> str:
+        code, body = emulated.api(f"/api/jobs/{job_id}", emulated.token())
+        return body["status"] if code == 200 else f"HTTP {code}"
+
+    deadline = time.time() + 120
+    while status() != "RUNNING":
+        assert time.time() < deadline, f"the sleeping job is {status()} after 120 s"
+        time.sleep(1)
     changed = _inventory(tmp_path, "emulated", EMULATED.replace("ray_object_store_memory: 536870912",
                                                                 "ray_object_store_memory: 600000000"))
-    refused = emulated.cluster("up", changed)
-    last = refused.stderr.strip().splitlines()[-1]
-    print(last)
-    assert refused.returncode != 0 and "job(s) run on the cluster" in last, refused.stdout[-3000:]
-    assert "Ray runs with settings older than /etc/systemd/system/dlc-ray.service" in last, last
-    assert "ray_restart_running_jobs: true" in last and ray_pids(emulated) == before
-    out = job.communicate(timeout=1200)[0]
-    assert job.returncode == 0 and "succeeded" in out, out[-3000:]
-    # the default inventory again, stopped by SIGTERM once it works on the nodes, then run again
+    try:
+        refused = emulated.cluster("up", changed)
+        last = refused.stderr.strip().splitlines()[-1]
+        print(last)
+        assert refused.returncode != 0 and "job(s) run on the cluster" in last, refused.stdout[-3000:]
+        assert "Ray runs with settings older than /etc/systemd/system/dlc-ray.service" in last, last
+        assert "ray_restart_running_jobs: true" in last and ray_pids(emulated) == before
+        assert status() == "RUNNING"  # the job was left alone, not only Ray's processes
+    finally:
+        run([*ray, "stop", job_id], emulated.client_env(), timeout=120)
+    deadline = time.time() + 120
+    while status() not in ("STOPPED", "FAILED", "SUCCEEDED"):
+        assert time.time() < deadline, f"the sleeping job is {status()} 120 s after ray job stop"
+        time.sleep(1)
+    # the default inventory again, stopped by SIGTERM once it has changed something on a node,
+    # then run again
     log = emulated.cluster_dir / "up.log"
+    log.unlink(missing_ok=True)  # the refused run's log has changes of its own
+
+    def log_text() -> str:
+        return log.read_text() if log.exists() else ""
+
     env = {**emulated.env, "INVENTORY": str(REPO / "ansible/inventories/emulated/hosts.yml")}
-    stopped = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    stopped = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 300
-    while "TASK [base" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)
+    while not re.search(r"^changed: \[node-", log_text(), re.M):
+        assert time.time() < deadline and stopped.poll() is None, \
+            f"no change on a node to interrupt (rc {stopped.poll()}): {log_text()[-3000:]}"
+        time.sleep(0.2)
+    print("interrupted after: " + re.findall(r"^TASK \[[^\]]+\]", log_text(), re.M)[-1])
     os.killpg(stopped.pid, signal.SIGTERM)
     stopped.communicate(timeout=120)
     assert stopped.returncode != 0
@@ -224,6 +260,19 @@ def published(emulated, name: str) -> dict:
     return json.loads(emulated.ssh("node-2", "cat", record["manifest"]).stdout)
 
 
+def registered(emulated, name: str) -> bool:
+    """Whether Ray Train's controller has registered a checkpoint of run `name` (shared storage)."""
+    found = emulated.ssh("node-1", "find", f"/srv/dlcluster/runs/{name}", "-name",
+                         "checkpoint_manager_snapshot.json").stdout.split()
+    for path in found:
+        try:
+            if json.loads(emulated.ssh("node-1", "cat", path).stdout).get("checkpoint_results"):
+                return True
+        except ValueError:
+            pass  # being rewritten: read again
+    return False
+
+
 def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
     """`docker kill` a worker node mid-epoch 2 of an elastic run: the run finishes on the two nodes
     left, from epoch 1's checkpoint; the node comes back and its Ray rejoins by itself. Run with
@@ -242,6 +291,11 @@ def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
     while not any("epoch 2/6: " in line for line in lines):
         assert time.time() < deadline and proc.poll() is None, "".join(lines[-40:])
         time.sleep(0.5)
+    # and registered by Ray Train's controller (its checkpoint manager's snapshot names one), as
+    # the local fault tests wait for: a report returns on the worker before the commit
+    while not registered(emulated, name):
+        assert time.time() < deadline and proc.poll() is None, "".join(lines[-40:])
+        time.sleep(1)
     docker = "/usr/bin/docker"
     run([docker, "kill", "dlc-emu-node-3"], emulated.env, check=True)
     killed_at = time.time()
@@ -366,6 +420,7 @@ def test_a_changed_host_key_is_refused(emulated, tmp_path):
         proc = emulated.cluster("up")
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode != 0 and "node-2" in last and "host key" in last, last
+        assert "PLAY [Nodes" not in proc.stdout and untouched(proc)
     finally:
         known.write_text(saved)
 
@@ -379,36 +434,53 @@ def test_pinned_host_keys_are_checked_not_trusted(emulated, tmp_path):
     pinned = [ln for ln in known if ln.split()[0] in {"172.31.250.10", *NODES.values()}]
     assert len(pinned) >= 4, known
 
-    def up(name: str, lines: list[str], more: str = "") -> tuple[subprocess.CompletedProcess, str]:
-        block = "    dlc_known_hosts: |\n" + "".join(f"      {ln}\n" for ln in lines) + more
-        text = EMULATED.replace("    ray_object_store_memory:", block + "    ray_object_store_memory:")
-        proc = emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
-        last = proc.stderr.strip().splitlines()[-1]
-        print(last)
-        assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout, proc.stdout[-2000:]
-        return proc, last
-
-    # every key pinned: the logins pass and the run goes on to its next check (no package source)
-    proc, last = up("pinned", pinned, "    dlc_bastion_apt_proxy: false\n")
-    assert "cannot reach their package mirrors" in last, last
-    prints = (emulated.config / "clusters/pinned/host_fingerprints").read_text().splitlines()
-    assert len(prints) == len(pinned) and all("SHA256:" in p for p in prints), prints
-    assert prints[0].split()[1] in proc.stdout  # shown, for the operator to compare
-    config = (emulated.config / "clusters/pinned/ssh_config").read_text()
-    assert "StrictHostKeyChecking yes" in config and "accept-new" not in config
-    # node-3 not pinned: not trusted on first contact
-    _, last = up("unpinned", [ln for ln in pinned if not ln.startswith("172.31.251.13 ")])
-    assert "node-3 (" in last and "dlc_known_hosts pins no host key for it" in last, last
-    # node-2 pinned with another key: refused
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], emulated.env,
         check=True)
     other = (tmp_path / "other.pub").read_text().split()
-    swapped = [f"{ln.split()[0]} {other[0]} {other[1]}" if ln.startswith("172.31.251.12 ") else ln
-               for ln in pinned]
-    _, last = up("swapped", swapped)
-    assert "node-2 (" in last and "not the one dlc_known_hosts pins" in last, last
-    _, last = up("garbled", ["172.31.251.11 ssh-ed25519 not-base64!"])
-    assert "dlc_known_hosts is not known_hosts content" in last, last
+    variants = {  # name -> (the pinned lines, more settings)
+        # every key pinned: the logins pass and the run goes on to its next check (no package source)
+        "pinned": (pinned, "    dlc_bastion_apt_proxy: false\n"),
+        # node-3 not pinned: not trusted on first contact
+        "unpinned": ([ln for ln in pinned if not ln.startswith("172.31.251.13 ")], ""),
+        # node-2 pinned with another key: refused
+        "swapped": ([f"{ln.split()[0]} {other[0]} {other[1]}" if ln.startswith("172.31.251.12 ") else ln
+                     for ln in pinned], ""),
+        "garbled": (["172.31.251.11 ssh-ed25519 not-base64!"], ""),
+    }
+
+    def up(name: str) -> subprocess.CompletedProcess:
+        lines, more = variants[name]
+        block = "    dlc_known_hosts: |\n" + "".join(f"      {ln}\n" for ln in lines) + more
+        text = EMULATED.replace("    ray_object_store_memory:", block + "    ray_object_store_memory:")
+        return emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
+
+    # each variant is a cluster of its own (its own folder and lock), refused before any node is
+    # changed: they run at once
+    with ThreadPoolExecutor(len(variants)) as pool:
+        procs = dict(zip(variants, pool.map(up, variants), strict=True))
+    last = {}
+    for name, proc in procs.items():
+        last[name] = proc.stderr.strip().splitlines()[-1]
+        print(f"{name}: {last[name]}")
+        assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout, proc.stdout[-2000:]
+        assert untouched(proc)
+    assert "cannot reach their package mirrors" in last["pinned"], last["pinned"]
+    prints = (emulated.config / "clusters/pinned/host_fingerprints").read_text().splitlines()
+    assert len(prints) == len(pinned) and all("SHA256:" in p for p in prints), prints
+    assert prints[0].split()[1] in procs["pinned"].stdout  # shown, for the operator to compare
+    config = (emulated.config / "clusters/pinned/ssh_config").read_text()
+    assert "StrictHostKeyChecking yes" in config and "accept-new" not in config
+    assert "node-3 (" in last["unpinned"] and "dlc_known_hosts pins no host key for it" in last["unpinned"]
+    assert "node-2 (" in last["swapped"] and "not the one dlc_known_hosts pins" in last["swapped"]
+    assert "dlc_known_hosts is not known_hosts content" in last["garbled"], last["garbled"]
+
+
+def untouched(proc: subprocess.CompletedProcess) -> bool:
+    """No node (nor the bastion) in the run's PLAY RECAP with a change: nothing was changed on
+    any server (the control host's own files, e.g. its ssh config, may be)."""
+    changed = {h: v["changed"] for h, v in recap(proc.stdout).items() if h != "localhost" and v["changed"]}
+    assert not changed, f"changed on {changed}: {proc.stdout[-2000:]}"
+    return True
 
 
 def _inventory(tmp_path: Path, name: str, text: str) -> Path:
@@ -421,34 +493,52 @@ def _inventory(tmp_path: Path, name: str, text: str) -> Path:
 EMULATED = (REPO / "ansible/inventories/emulated/hosts.yml").read_text()
 
 
-@pytest.mark.parametrize("name,edit,expect", [
-    ("no-bastion", lambda t: re.sub(r"    bastions:\n      hosts:\n        bastion:\n.*\n.*\n", "", t),
-     "names 0 bastions"),
-    ("bastion-unreachable", lambda t: t.replace("ansible_host: 172.31.250.10", "ansible_host: 172.31.250.99"),
-     "bastion"),
-    ("wrong-key", None, "is not accepted"),
-    ("missing-key", lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
-     "does not exist"),
-    ("unparsable", lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
+BAD_INVENTORIES = {  # name -> (edit of the emulated inventory, what the one line says)
+    "no-bastion": (lambda t: re.sub(r"    bastions:\n      hosts:\n        bastion:\n.*\n.*\n", "", t),
+                   "names 0 bastions"),
+    "bastion-unreachable": (lambda t: t.replace("ansible_host: 172.31.250.10", "ansible_host: 172.31.250.99"),
+                            "bastion"),
+    "wrong-key": (None, "is not accepted"),
+    "missing-key": (lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
+                    "does not exist"),
+    "unparsable": (lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
     # as on Ubuntu's cloud images, whose `ubuntu` login holds uid 1000: here `ops` holds 1001
-    ("uid-taken", lambda t: t.replace("    ray_object_store_memory:", "    dlc_ray_user: raysvc\n"
+    "uid-taken": (lambda t: t.replace("    ray_object_store_memory:", "    dlc_ray_user: raysvc\n"
                                       "    dlc_ray_user_uid: 1001\n    ray_object_store_memory:"),
-     "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; node-3: uid 1001 belongs to ops"),
-])
-def test_bad_input_is_one_line_and_touches_no_node(emulated, tmp_path, name, edit, expect):
-    if name == "wrong-key":
-        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")],
-            emulated.env, check=True)
-        text = EMULATED.replace('"{{ dlc_config }}/emulated/id_ed25519"', str(tmp_path / "wrong"))
-    else:
-        text = edit(EMULATED)
-    assert text != EMULATED
-    proc = emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
+                  "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; "
+                  "node-3: uid 1001 belongs to ops"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_inventory_runs(emulated, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """cluster-up with each bad inventory, all at once: each is a cluster of its own name (its own
+    folder and lock) and stops before any change, so none waits for another."""
+    tmp = tmp_path_factory.mktemp("bad-inventories")
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "wrong")], emulated.env, check=True)
+
+    def up(name: str) -> subprocess.CompletedProcess:
+        edit = BAD_INVENTORIES[name][0]
+        if name == "wrong-key":
+            text = EMULATED.replace('"{{ dlc_config }}/emulated/id_ed25519"', str(tmp / "wrong"))
+        else:
+            text = edit(EMULATED)
+        assert text != EMULATED
+        return emulated.cluster("up", _inventory(tmp, name, text), timeout=300)
+
+    with ThreadPoolExecutor(len(BAD_INVENTORIES)) as pool:
+        return dict(zip(BAD_INVENTORIES, pool.map(up, BAD_INVENTORIES), strict=True))
+
+
+@pytest.mark.parametrize("name", list(BAD_INVENTORIES))
+def test_bad_input_is_one_line_and_touches_no_node(bad_inventory_runs, name):
+    proc, expect = bad_inventory_runs[name], BAD_INVENTORIES[name][1]
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     print(last)
     assert last.startswith("cluster-up: error:") and expect in last, proc.stderr[-2000:]
     assert "PLAY [Nodes" not in proc.stdout
+    assert untouched(proc)
     if name == "bastion-unreachable":
         assert "unreachable" in last and "172.31.250.99" in last
 
