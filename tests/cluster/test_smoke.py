@@ -1,5 +1,8 @@
-"""make smoke end to end on the 2-node fixture cluster: the description `up` wrote, every step
-through the job API, the JSON report, and a description the cluster does not match."""
+"""make smoke end to end on the 2-node fixture cluster: the description `up` wrote, the nodes and
+all-reduce steps through the job API, the JSON report, and a description the cluster does not
+match. Its trainers step (the three jobs, one tiny epoch each, models verified on the cluster) is
+asserted in the emulated tier's smoke run, across 3 nodes; this tier's own job tests train the
+same jobs on this cluster."""
 
 import json
 import os
@@ -23,11 +26,10 @@ def smoke(cluster, *argv, timeout=900):
 
 @pytest.fixture(scope="module")
 def run(cluster, tmp_path_factory):
-    """One smoke run of nodes, allreduce (1 and 4 MiB) and the trainers: (process, report)."""
+    """One smoke run of nodes and allreduce (1 and 4 MiB): (process, report)."""
     tmp = tmp_path_factory.mktemp("smoke")
     report = tmp / "report.json"
-    proc = smoke(cluster, "--only", "nodes,allreduce,trainers", "--max-mib", "4", "--json", str(report),
-                 "--storage-path", str(tmp / "runs"), "--models-dir", str(tmp / "models"))
+    proc = smoke(cluster, "--only", "nodes,allreduce", "--max-mib", "4", "--json", str(report))
     return proc, json.loads(report.read_text())
 
 
@@ -48,11 +50,11 @@ def test_every_step_passes(run):
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["ok"] and report["cluster"] == "local" and report["nodes"] == N
     assert [(s["name"], s["ok"], s["skipped"]) for s in report["steps"]] == \
-        [("nodes", True, False), ("allreduce", True, False), ("trainers", True, False)]
+        [("nodes", True, False), ("allreduce", True, False)]
     assert all(s["seconds"] > 0 for s in report["steps"]) and report["seconds"] > 0
-    for name in ("nodes", "allreduce", "trainers"):
+    for name in ("nodes", "allreduce"):
         assert any(line.split()[:2] == ["PASS", name] for line in proc.stdout.splitlines())
-    assert "smoke: PASS: 3 passed, 0 failed, 0 skipped" in proc.stdout
+    assert "smoke: PASS: 2 passed, 0 failed, 0 skipped" in proc.stdout
 
 
 def test_nodes(run):
@@ -81,22 +83,6 @@ def test_allreduce(run):
     assert "all-reduce: gloo, 2 ranks on 2 nodes" in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines()]
     assert ["4194304", "1048576", "float", "sum"] in [cols[:4] for cols in table]
-
-
-def test_every_trainer_left_a_verified_model(run):
-    jobs = run[1]["steps"][2]["details"]["jobs"]
-    assert set(jobs) == {"ddp_autoencoder", "horovod_mnist", "tf_cnn"}
-    names = {r["name"] for r in jobs.values()}
-    assert len(names) == 3 and all(n.startswith("smoke-") for n in names)
-    for job, r in jobs.items():
-        assert r["status"] == "SUCCEEDED" and r["verified"] is True, (job, r)
-        check = r["check"]
-        assert check["ok"] and check["problems"] == [] and check["world_size"] == N
-        assert check["parity"]["max_abs_diff"] <= check["parity"]["tolerance"]
-        assert check["run"] == r["name"] and f"/{r['name']}/publications/" in r["model"]
-        assert check["output_shape"][0] == 1
-    assert jobs["tf_cnn"]["check"]["input_shape"] == [1, 150, 150, 3]
-    assert jobs["horovod_mnist"]["check"]["output_shape"] == [1, 10]
 
 
 def test_a_third_described_node_fails_the_nodes_step(cluster, tmp_path):

@@ -67,8 +67,8 @@ def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
     assert any(d.startswith(pulled) for d in json.loads(digests)), digests
     running = emulated.ssh("node-3", "sudo", "docker", "inspect", "--format", "'{{.Image}}'", "dlc-ray")
     assert running.stdout.strip() == ours
-    shipped = re.search(r"node-3: dlcluster:cpu \(9\.\d+ GB\) pushed in \S+ \((\d+) layer\(s\), ([\d.]+) MB "
-                        r"through the bastion\), pulled in", " ".join(emulated.up.stdout.split()))
+    shipped = re.search(r"node-3: dlcluster:cpu \(\d+\.\d+ GB\) pushed in \S+ \((\d+) layer\(s\), "
+                        r"([\d.]+) MB through the bastion\), pulled in", " ".join(emulated.up.stdout.split()))
     if shipped:  # its kept disk (emulate.sh) had an older image: cold, every layer; warm, the changed ones
         print(f"first cluster-up: {shipped.group(0)}")
     else:  # the same image from an earlier run of this commit: nothing to ship
@@ -399,6 +399,20 @@ def test_smoke_passes_while_an_outsider_finds_only_ssh(emulated, tmp_path):
     assert set(steps) >= {"nodes", "allreduce", "trainers", "proxyjump"}
     for name, step in steps.items():
         assert step["ok"] and not step.get("skipped"), (name, step)
+    # every trainer left a verified model, checked on the cluster: one rank per node
+    jobs = steps["trainers"]["details"]["jobs"]
+    assert set(jobs) == {"ddp_autoencoder", "horovod_mnist", "tf_cnn"}
+    names = {r["name"] for r in jobs.values()}
+    assert len(names) == 3 and all(n.startswith("smoke-") for n in names)
+    for job, r in jobs.items():
+        assert r["status"] == "SUCCEEDED" and r["verified"] is True, (job, r)
+        check = r["check"]
+        assert check["ok"] and check["problems"] == [] and check["world_size"] == len(NODES), (job, check)
+        assert check["parity"]["max_abs_diff"] <= check["parity"]["tolerance"]
+        assert check["run"] == r["name"] and f"/{r['name']}/publications/" in r["model"]
+        assert check["output_shape"][0] == 1
+    assert jobs["tf_cnn"]["check"]["input_shape"] == [1, 150, 150, 3]
+    assert jobs["horovod_mnist"]["check"]["output_shape"] == [1, 10]
     assert training, "no port opened while the trainers ran: the probe saw no training"
     assert everywhere, "nothing but ssh listens on the public address: the probe proves nothing"
     # only ssh, on the public address (the private one, routed through node-1, where the kernel
