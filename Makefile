@@ -98,7 +98,7 @@ bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the curre
 clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
 	rm -f $(VENV)
 
-# ---- container images (docker/; README "Container images")
+# ---- container images (docker/; docs/images.md)
 # 1: the CUDA image (NCCL operations) instead of the CPU one
 GPU        ?= 0
 # the tag; empty: dlcluster:cpu or dlcluster:gpu
@@ -129,7 +129,7 @@ test-image: image-test ## the same as image-test (the test-* name of the tier)
 image-report: ## the image's size per layer group and its build times, cold and warm
 	@$(PYTHON) docker/report.py
 
-# ---- the emulated cluster (tests/emulated/; README "An emulated cluster")
+# ---- the emulated cluster (tests/emulated/; docs/emulated.md)
 emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)
 	@tests/emulated/emulate.sh up
 

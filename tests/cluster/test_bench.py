@@ -1,5 +1,5 @@
 """make bench's code path at tiny size on the fixture cluster (found through its record): both
-launchers run, the ratios, the JSON and the PNG come out. The real figures are in README."""
+launchers run, the ratios, the JSON and the PNG come out. The real figures are in docs/benchmark.md."""
 
 import json
 import os

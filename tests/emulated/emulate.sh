@@ -48,7 +48,7 @@ node_ip() { echo "172.31.251.1${1#node-}"; }
 exists() { "$DOCKER" inspect "$1" >/dev/null 2>&1; }
 
 # Systemd as PID 1 in a container: its own /run, the capabilities this VM grants (--privileged
-# is refused here; FINDINGS.md), and the cgroup tree read-only (CGROUP_RO) except on a node
+# fails on some VMs: 'unable to apply caps'), and the cgroup tree read-only (CGROUP_RO) except on a node
 # with its own Docker engine.
 SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock --cap-add ALL --cap-drop SYS_RESOURCE
               --security-opt seccomp=unconfined --security-opt systempaths=unconfined
@@ -129,7 +129,7 @@ up() {
     exists "dlc-emu-$n" && continue
     local extra=("${CGROUP_RO[@]}")
     if [[ $DIND_NODES == *" $n "* ]]; then
-      # a Docker engine of its own (docker-in-docker, FINDINGS.md): every device, the cgroup tree
+      # a Docker engine of its own (docker-in-docker): every device, the cgroup tree
       # writable, a real filesystem for /var/lib/docker (overlay2 does not stack on overlay)
       extra=(--device-cgroup-rule 'a *:* rwm' -v /sys/fs/cgroup:/sys/fs/cgroup:rw
              -v "$DISK_PREFIX$n:/var/lib/docker")
