@@ -41,7 +41,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup cluster-up cluster-status cluster-down submit demo test check test-unit \
+.PHONY: help setup cluster-up cluster-status cluster-down attach rotate-token submit demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -58,6 +58,12 @@ cluster-status: setup ## each node's Ray service and the nodes and resources the
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
 	@scripts/cluster.sh down
+
+attach: setup ## INVENTORY set: use a running cluster from this machine (its token from the head, record, tunnel); changes no server
+	@scripts/cluster.sh attach
+
+rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
+	@scripts/cluster.sh rotate-token
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit)
 	@ray/submit.sh $(JOB) $(ARGS)

@@ -31,7 +31,9 @@ def failure(text: str) -> str | None:
             msg = result.get("msg") if isinstance(result, dict) else None
             text = " ".join(str(msg or m.group(2).lower()).split())
             # the control host's checks name the host they are about in the message itself
-            found = text if m.group(1) == "localhost" else f"[{m.group(1)}] {text}"
+            # (and so do messages that start with the host's name)
+            found = text if m.group(1) == "localhost" or text.startswith(f"{m.group(1)}: ") \
+                else f"[{m.group(1)}] {text}"
     if found:
         return found
     for line in lines:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make cluster-up / cluster-status / cluster-down / tunnel.
+# make cluster-up / cluster-status / cluster-down / attach / rotate-token.
 #
-#   usage: scripts/cluster.sh up|status|down
+#   usage: scripts/cluster.sh up|status|down|attach|rotate-token
 #
 # INVENTORY empty: the embedded local cluster on this machine (ray/local_cluster.py).
 # INVENTORY set:   real (or emulated) servers through their bastion: the playbook
@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 action=${1:-}
-die() { echo "cluster-$action: error: $*" >&2; exit 2; }
-case "$action" in up|status|down) ;; *) action=cluster; die "usage: $0 up|status|down" ;; esac
+case "$action" in up|status|down) what=cluster-$action ;; attach|rotate-token) what=$action ;; *) what=cluster ;; esac
+die() { echo "$what: error: $*" >&2; exit 2; }
+[ "$what" != cluster ] || die "usage: $0 up|status|down|attach|rotate-token"
 
 # One cluster-up/down per cluster at a time: a second one is one line naming the holder. Bash
 # holds the lock (fd 9) until it exits; what it starts runs with fd 9 closed (ansible-playbook:
@@ -23,11 +24,12 @@ lock_cluster() {  # $1 cluster name
   local dir=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}/clusters/$1
   mkdir -p "$dir" && chmod 700 "$dir"
   exec 9>>"$dir/lock"
-  flock -n 9 || die "another cluster-up or cluster-down of cluster $1 is running ($(cat "$dir/lock" 2>/dev/null)); wait for it to end, or stop that process"
+  flock -n 9 || die "another run (cluster-up, cluster-down, rotate-token, attach) of cluster $1 is running ($(cat "$dir/lock" 2>/dev/null)); wait for it to end, or stop that process"
   echo "pid $$: cluster-$action since $(date '+%F %T')" >"$dir/lock"
 }
 
 if [ -z "${INVENTORY:-}" ]; then
+  [ "$what" = "cluster-$action" ] || die "$action is for servers: set INVENTORY=ansible/inventories/<name>/hosts.yml (the local cluster has its token here already)"
   lock_cluster local
   exec .venv/bin/python ray/local_cluster.py "$action"
 fi
@@ -58,6 +60,6 @@ set +e
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then
-  .venv-ansible/bin/python scripts/ansible_failure.py "$log" "cluster-$action" >&2 || true
+  .venv-ansible/bin/python scripts/ansible_failure.py "$log" "$what" >&2 || true
   exit "$rc"
 fi

@@ -58,6 +58,12 @@ def private_address(host: str, hv) -> str:
     return str(hv.get("ip", hv.get("ansible_host", host)))
 
 
+def private_addresses(hosts: list[str], hostvars) -> dict[str, str]:
+    """host -> its private address, for plays on the control host (roles/dlc's dlc_node_ip is a
+    node's own variable: the control host's play cannot read it through hostvars)."""
+    return {h: private_address(h, hostvars[h]) for h in hosts}
+
+
 def _whole(value) -> int | None:
     if isinstance(value, bool):
         return None
@@ -140,4 +146,4 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
 
 class FilterModule:
     def filters(self):
-        return {"dlc_inventory_problems": inventory_problems}
+        return {"dlc_inventory_problems": inventory_problems, "dlc_private_addresses": private_addresses}

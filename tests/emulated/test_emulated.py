@@ -1,23 +1,32 @@
 """make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
-operator does with it: the README's job through the tunnel, a second cluster-up, a node that
-goes down and comes back, a node killed mid-run, the head's Ray restarted, make smoke (after
-those failures), a changed host key, bad inventories, cluster-down. In file order."""
+operator does with it: the README's job through the tunnel, a second operator (their own config
+folder) while a job runs, attach, the running-jobs guard failing closed, the engine restarted
+under Ray, a second cluster-up, a node that goes down and comes back, a node killed mid-run, the
+head's Ray restarted, make smoke (after those failures), a changed host key, bad inventories,
+rotate-token, cluster-down. In file order."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, NODES, PORT, REPO, recap, run
+from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, INVENTORY, NODES, PORT, REPO, recap, run
+
+from trainkit import record
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -155,40 +164,199 @@ def ray_pids(emulated) -> dict[str, str]:
             for n in NODES}
 
 
+@contextmanager
+def held_job(emulated):
+    """A job that holds the cluster (it sleeps: what is proved is that running jobs are waited
+    for, not training), stopped at the end."""
+    ray, job_id = [str(BIN / "ray"), "job"], f"held-{time.time_ns()}"
+    run([*ray, "submit", "--no-wait", "--submission-id", job_id, "--", "sleep", "600"],
+        emulated.client_env(), timeout=120, check=True)
+    deadline = time.time() + 120
+    while job_status(emulated, job_id) != "RUNNING":
+        assert time.time() < deadline, f"the sleeping job is {job_status(emulated, job_id)} after 120 s"
+        time.sleep(1)
+    try:
+        yield job_id
+    finally:
+        run([*ray, "stop", job_id], emulated.client_env(), timeout=120)
+        deadline = time.time() + 120
+        while job_status(emulated, job_id) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+            assert time.time() < deadline, f"{job_id} is {job_status(emulated, job_id)} after ray job stop"
+            time.sleep(1)
+
+
+def job_status(emulated, job_id: str, token: str | None = None) -> str:
+    code, body = emulated.api(f"/api/jobs/{job_id}", token or emulated.token())
+    return body["status"] if code == 200 else f"HTTP {code}"
+
+
+def operator(emulated, tmp_path: Path, name: str, port: int) -> dict:
+    """A second operator: a config folder of their own (empty but for the same ssh key), their
+    own tunnel port."""
+    config = tmp_path / name
+    shutil.copytree(emulated.config / "emulated", config / "emulated")  # the key the inventory names
+    return {**emulated.env, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(port),
+            "INVENTORY": str(INVENTORY)}
+
+
+def close_tunnel(env: dict) -> None:
+    """What cluster-down does on the client side only (roles/control: release.yml), for a second
+    operator's tunnel: their cluster-down would stop Ray."""
+    folder = Path(env["DLC_CONFIG"]) / "clusters/emulated"
+    digest = hashlib.sha1(str(folder).encode()).hexdigest()[:12]  # roles/control: control_tunnel_socket
+    socket_path = Path(f"~/.ssh/dlc-tunnel-{digest}").expanduser()
+    run(["ssh", "-F", str(folder / "ssh_config"), "-S", str(socket_path), "-O", "exit", "bastion"], env)
+
+
+def tunnel_api(port: int, path: str, token: str) -> tuple[int, object]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_holder(emulated, tmp_path):
+    """Operator B (an empty config folder, the same key) runs cluster-up while A's job runs: B gets
+    the cluster's token from the head, nothing restarts, A's job and A's token go on. Operator C
+    starts while B's run holds the head's lock: one line naming B's run, nothing changed."""
+    before = ray_pids(emulated)
+    b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
+    b_log = Path(b["DLC_CONFIG"]) / "clusters/emulated/up.log"
+    with held_job(emulated) as job:
+        b_run = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=b, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not re.search(r"Take the cluster's lock on the head \(held until this run ends\)\] \**\nok:",
+                            b_log.read_text() if b_log.exists() else ""):
+            assert time.time() < deadline and b_run.poll() is None, b_log.read_text()[-3000:]
+            time.sleep(0.5)
+        c_run = run(["scripts/cluster.sh", "up"], c, timeout=300)
+        b_out, b_err = b_run.communicate(timeout=900)
+        try:
+            assert b_run.returncode == 0, b_out[-3000:] + b_err[-2000:]
+            assert {h: v["changed"] for h, v in recap(b_out).items() if h != "localhost"} == \
+                {h: 0 for h in ("bastion", *NODES)}, b_out[-2000:]
+            token_file = Path(b["DLC_CONFIG"]) / "clusters/emulated/ray_token"
+            token_b = token_file.read_text().strip()
+            assert token_b == emulated.token()  # the cluster's, fetched; never a second one
+            assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+            assert token_b not in b_out + b_err  # never printed
+            assert ray_pids(emulated) == before and job_status(emulated, job) == "RUNNING"
+            assert tunnel_api(8276, f"/api/jobs/{job}", token_b)[1]["status"] == "RUNNING"  # B sees A's job
+        finally:
+            close_tunnel(b)
+        last = c_run.stderr.strip().splitlines()[-1]
+        print(last)
+        assert c_run.returncode != 0 and last.startswith("cluster-up: error: another run is changing cluster "
+                                                         "emulated: "), last
+        assert re.search(r": \S+@\S+ pid \d+ \(cluster-up\) since \d{4}-\d\d-\d\d [\d:]+ \S+ holds its lock "
+                         r"on node-1; wait for it to end", last) and "nothing was changed" in last, last
+        assert "PLAY [Nodes" not in c_run.stdout and untouched(c_run)
+        assert job_status(emulated, job) == "RUNNING"
+        assert emulated.api("/api/jobs/", emulated.token())[0] == 200
+
+
+def test_attach_uses_a_running_cluster_and_changes_no_server(emulated, tmp_path):
+    d = operator(emulated, tmp_path, "d", 8278)
+    with held_job(emulated) as job:
+        proc = run(["scripts/cluster.sh", "attach"], d, timeout=300)
+        try:
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+            assert set(recap(proc.stdout)) == {"localhost"}  # no play ran on a server
+            folder = Path(d["DLC_CONFIG"])
+            mine = json.loads((emulated.config / "cluster.json").read_text())
+            theirs = json.loads((folder / "cluster.json").read_text())
+            assert theirs["nodes"] == mine["nodes"] and theirs["job_api"] == "http://127.0.0.1:8278"
+            assert theirs["token_path"] == str(folder / "clusters/emulated/ray_token")
+            token = Path(theirs["token_path"]).read_text().strip()
+            assert token == emulated.token()
+            env = {**d, **record.load(folder / record.RECORD).client_env()}
+            status = run([str(BIN / "ray"), "job", "status", job], env, timeout=120)
+            assert status.returncode == 0, status.stderr[-2000:]
+            assert "RUNNING" in status.stdout + status.stderr, status.stderr[-2000:]
+        finally:
+            close_tunnel(d)
+
+
+def test_the_running_jobs_check_fails_closed(emulated, tmp_path):
+    """The job API answers with an error (here: the head's token file no longer the one Ray runs
+    with, as an older cluster-up from a second laptop left it): the run stops before any role,
+    naming the error, and nothing changes."""
+    e = operator(emulated, tmp_path, "e", 8279)
+    token = "/etc/dlcluster/ray_token"
+    emulated.ssh("node-1", f"sudo cp -p {token} /root/ray_token.saved && "
+                           f"echo 0000 | sudo tee {token} >/dev/null").check_returncode()
+    try:
+        proc = run(["scripts/cluster.sh", "up"], e, timeout=300)
+    finally:  # the same bytes and time stamp: nothing for the next run to restart
+        emulated.ssh("node-1", f"sudo cp -p /root/ray_token.saved {token}").check_returncode()
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert proc.returncode != 0 and last.startswith(
+        "cluster-up: error: could not tell whether jobs run on cluster emulated (node-1: the job API at "
+        "http://172.31.251.11:8265/api/jobs/ answered HTTP 40"), last
+    assert "Ray runs with a token other than /etc/dlcluster/ray_token" in last, last
+    assert "nothing was changed" in last
+    assert "PLAY [Nodes" not in proc.stdout and untouched(proc)
+
+
+def test_the_engine_restarts_under_ray_and_ray_goes_on(emulated):
+    """node-3 runs Ray in the image: its engine restarted (an upgrade, a runtime added) keeps
+    Ray's container (live-restore), and the service follows it instead of replacing it."""
+    inspect = ["sudo", "docker", "inspect", "-f", "{{.Id}} {{.State.StartedAt}} {{.State.Pid}}", "dlc-ray"]
+    live = emulated.ssh("node-3", "sudo", "docker", "info", "--format", "{{.LiveRestoreEnabled}}").stdout
+    assert live.strip() == "true"
+    before = emulated.ssh("node-3", *inspect).stdout.strip()
+
+    def service_pid() -> str:
+        return emulated.ssh("node-3", "systemctl", "show", "-p", "MainPID", "--value",
+                            "dlc-ray").stdout.strip()
+
+    service = service_pid()
+    assert before and service not in ("", "0")
+    emulated.ssh("node-3", "sudo", "systemctl", "restart", "docker", timeout=120).check_returncode()
+    deadline = time.time() + 60
+    while service_pid() in ("", "0", service):
+        assert time.time() < deadline, "dlc-ray did not start again after the engine restarted"
+        time.sleep(1)
+    assert emulated.ssh("node-3", *inspect).stdout.strip() == before  # the same container, same process
+    journal = emulated.ssh("node-3", "sudo", "journalctl", "-u", "dlc-ray", "--no-pager", "-n", "50").stdout
+    assert "following Ray's running container (the engine restarted)" in journal, journal[-2000:]
+    assert sorted(emulated.wait_for_nodes(3, timeout=60)) == sorted(NODES.values())
+
+
 def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converges(emulated, tmp_path):
     """A cluster-up that would restart Ray while a job runs stops with one line and leaves Ray (and
     the job) alone; its written files are not forgotten: the next run, stopped mid-way by a signal,
     then run again, converges (the next test: a further run changes nothing). The job that holds
     the cluster sleeps: what is proved is that a running job is waited for, not training."""
     before = ray_pids(emulated)
-    ray, job_id = [str(BIN / "ray"), "job"], f"held-{int(time.time())}"
-    run([*ray, "submit", "--no-wait", "--submission-id", job_id, "--", "sleep", "600"],
-        emulated.client_env(), timeout=120, check=True)
-
-    def status() -> str:
-        code, body = emulated.api(f"/api/jobs/{job_id}", emulated.token())
-        return body["status"] if code == 200 else f"HTTP {code}"
-
-    deadline = time.time() + 120
-    while status() != "RUNNING":
-        assert time.time() < deadline, f"the sleeping job is {status()} after 120 s"
-        time.sleep(1)
     changed = _inventory(tmp_path, "emulated", EMULATED.replace("ray_object_store_memory: 536870912",
                                                                 "ray_object_store_memory: 600000000"))
-    try:
+    with held_job(emulated) as job:
         refused = emulated.cluster("up", changed)
         last = refused.stderr.strip().splitlines()[-1]
         print(last)
-        assert refused.returncode != 0 and "job(s) run on the cluster" in last, refused.stdout[-3000:]
+        assert refused.returncode != 0 and f"1 job(s) run on the cluster ({job} (sleep 600))" in last, \
+            refused.stdout[-3000:]
         assert "Ray runs with settings older than /etc/systemd/system/dlc-ray.service" in last, last
-        assert "ray_restart_running_jobs: true" in last and ray_pids(emulated) == before
-        assert status() == "RUNNING"  # the job was left alone, not only Ray's processes
-    finally:
-        run([*ray, "stop", job_id], emulated.client_env(), timeout=120)
-    deadline = time.time() + 120
-    while status() not in ("STOPPED", "FAILED", "SUCCEEDED"):
-        assert time.time() < deadline, f"the sleeping job is {status()} 120 s after ray job stop"
-        time.sleep(1)
+        assert "dlc_restart_running_jobs: true" in last and ray_pids(emulated) == before
+        # the truth about what the restart would have done (the head's: every job lost)
+        assert "on the head it ends every job" in last or "on a worker it stops the job's workers" in last, \
+            last
+        assert job_status(emulated, job) == "RUNNING"  # the job was left alone, not only Ray's processes
+        # rotate-token and cluster-down go through the same check: refused, nothing changed
+        for action in ("rotate-token", "down"):
+            proc = emulated.cluster(action)
+            last = proc.stderr.strip().splitlines()[-1]
+            print(last)
+            assert proc.returncode != 0 and f"({job} (sleep 600))" in last, last
+            assert "nothing was restarted" in last, last
+            assert untouched(proc) and ray_pids(emulated) == before and job_status(emulated, job) == "RUNNING"
+        assert emulated.api("/api/jobs/", emulated.token())[0] == 200  # the tunnel is still open too
     # the default inventory again, stopped by SIGTERM once it has changed something on a node,
     # then run again
     log = emulated.cluster_dir / "up.log"
@@ -642,6 +810,33 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
     finally:
         run(["iptables", "-D", *block], emulated.env)
         emulated.cluster("up")  # the default way in again, for the tests after this one
+
+
+def test_rotate_token_replaces_it_everywhere_and_a_stale_client_is_told_to_attach(emulated, tmp_path):
+    old = emulated.token()
+    stale = operator(emulated, tmp_path, "stale", 8280)  # a second operator with the old token
+    folder = Path(stale["DLC_CONFIG"]) / "clusters/emulated"
+    folder.mkdir(parents=True)
+    (folder / "ray_token").write_text(old + "\n")
+    (folder / "ray_token").chmod(0o600)
+    proc = emulated.cluster("rotate-token")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    new = emulated.token()
+    assert new != old and re.fullmatch(r"[0-9a-f]{64}", new) and new not in proc.stdout + proc.stderr
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+    assert emulated.api("/api/jobs/", old)[0] in (401, 403) and emulated.api("/api/jobs/", new)[0] == 200
+    for node in NODES:
+        assert emulated.ssh(node, "sudo", "cat", "/etc/dlcluster/ray_token").stdout.strip() == new
+    # the operator who still has the old token: one line, nothing changed; attach fetches the new one
+    refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
+    last = refused.stderr.strip().splitlines()[-1]
+    print(last)
+    assert refused.returncode != 0 and "is not the one cluster emulated runs with" in last, last
+    assert "run make attach INVENTORY=" in last and untouched(refused)
+    attached = run(["scripts/cluster.sh", "attach"], stale, timeout=300)
+    close_tunnel(stale)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
+    assert (folder / "ray_token").read_text().strip() == new
 
 
 def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import ansible_failure  # noqa: E402
 import dlc_gpu  # noqa: E402
+import dlc_jobs  # noqa: E402
 import dlc_preflight  # noqa: E402
 import dlc_ssh  # noqa: E402
 
@@ -93,7 +94,7 @@ PLAY RECAP ***
 """
     assert (
         ansible_failure.failure(log)
-        == "[node-2] node-2: dlc_shared_storage_path /srv/x does not exist: mount it"
+        == "node-2: dlc_shared_storage_path /srv/x does not exist: mount it"  # the host named once
     )
     log2 = "fatal: [localhost]: FAILED! => \n    changed: false\n    msg: the ssh key /k does not exist\n"
     assert ansible_failure.failure(log2) == "the ssh key /k does not exist"
@@ -195,13 +196,21 @@ def test_ray_unit_requires_the_shared_storage_mount():
     assert "RequiresMountsFor=/srv/data" in lines
     assert "Requires=dlc-firewall.service" in lines and "After=dlc-firewall.service" in lines
     assert any(line.startswith("After=") and "srv-data.mount" in line for line in lines)
-    start = next(line for line in lines if line.startswith("ExecStart=/usr/bin/docker run"))
+    # Wants, not Requires, docker: an engine restart (live-restore) must not stop Ray
+    assert "Wants=docker.service" in lines and "Requires=docker.service" not in lines
+    assert "ExecStart=/usr/local/sbin/dlc-ray-container run" in lines
+    assert "ExecStop=/usr/local/sbin/dlc-ray-container stop" in lines
+    script = env.get_template("dlc-ray-container.j2").render(**node)
+    start = next(line.strip() for line in script.splitlines() if line.strip().startswith("exec docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
     assert "--network host" in start and "-v /etc/dlcluster/ray_token:/etc/dlcluster/ray_token:ro" in start
+    # the container still running after an engine restart is followed, not replaced
+    assert "exec docker attach --no-stdin --sig-proxy=false dlc-ray" in script
+    assert '[ -n "${MAINPID:-}" ] || exit 0' in script
     # the same node without GPUs: no --gpus (docker refuses it where no NVIDIA runtime exists)
-    cpu_node = env.get_template("dlc-ray.service.j2").render(**{**node, "ray_num_gpus_effective": 0,
-                                                               "dlc_image": "dlcluster:cpu"})
-    start = next(line for line in cpu_node.splitlines() if line.startswith("ExecStart=/usr/bin/docker run"))
+    cpu_node = env.get_template("dlc-ray-container.j2").render(**{**node, "ray_num_gpus_effective": 0,
+                                                                 "dlc_image": "dlcluster:cpu"})
+    start = next(line.strip() for line in cpu_node.splitlines() if line.strip().startswith("exec docker run"))
     assert "--gpus" not in start and "dlcluster:cpu ray start --block" in start
 
 
@@ -383,9 +392,9 @@ def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(t
                               text=True, timeout=60)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr == (
-            "cluster-up: error: another cluster-up or cluster-down of cluster example is running "
-            "(pid 4242: cluster-up since 2026-11-22 10:00:00); wait for it to end, or stop that "
-            "process\n")
+            "cluster-up: error: another run (cluster-up, cluster-down, rotate-token, attach) of cluster "
+            "example is running (pid 4242: cluster-up since 2026-11-22 10:00:00); wait for it to end, "
+            "or stop that process\n")
         assert not (folder / "up.log").exists()  # no playbook ran
     finally:
         holder.kill()
@@ -417,3 +426,22 @@ def test_account_probe_reads_this_machines_accounts():
     assert dlc_preflight.account_problem([{"item": "here", "rc": 0, "stdout": out}], "root", 0) == ""
     assert "uid 0 belongs to root" in dlc_preflight.account_problem(
         [{"item": "here", "rc": 0, "stdout": out}], "dlc", 0)
+
+
+def test_a_restart_under_running_jobs_is_one_line_that_tells_what_it_does():
+    jobs = {"control_running_jobs": ["held-1 (sleep 600)", "raysubmit_x (python jobs/ddp_autoencoder.py)"]}
+    what = "Ray runs with settings older than /etc/dlcluster/ray.env"
+    head = dlc_jobs.restart_refusal(jobs, "node-1", what, True, False)
+    assert head.startswith("node-1: Ray runs with settings older than /etc/dlcluster/ray.env, but 2 job(s)")
+    assert "held-1 (sleep 600), raysubmit_x" in head and "nothing was restarted" in head
+    # the truth about the head: its restart ends every job; --max-failures cannot bring them back
+    assert "ends every job" in head and "same --name" in head and "dlc_restart_running_jobs: true" in head
+    worker = dlc_jobs.restart_refusal(jobs, "node-2", "x", False, "false")
+    assert "--max-failures restarts from its last checkpoint" in worker and "ends every job" not in worker
+    # asked to, or nothing runs: no refusal
+    assert dlc_jobs.restart_refusal(jobs, "node-1", "x", True, True) == ""
+    assert dlc_jobs.restart_refusal(jobs, "node-1", "x", True, "True") == ""
+    assert dlc_jobs.restart_refusal({"control_running_jobs": []}, "node-1", "x", True, False) == ""
+    # the head was never asked (a --limit left the control host's play out): closed, not open
+    closed = dlc_jobs.restart_refusal({}, "node-3", "x", False, False)
+    assert "did not ask the head which jobs run" in closed and "nothing was restarted" in closed
