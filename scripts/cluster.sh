@@ -47,9 +47,13 @@ log="$config/clusters/$name/$action.log"
 lock_cluster "$name"
 
 export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
-# Ansible's own connection sockets, per cluster: an old connection can never stand in for the
-# generated ssh config (FINDINGS: ControlPersist hides a broken config otherwise).
-export ANSIBLE_SSH_CONTROL_PATH_DIR="$config/clusters/$name/cp"
+# Ansible's own connection sockets, per cluster and config folder: an old connection can never
+# stand in for the generated ssh config (ControlPersist hides a broken config otherwise). In
+# ~/.ssh under a short hash, like the tunnel's socket: a unix socket's path must stay under 108
+# bytes, whatever the config folder's path.
+ANSIBLE_SSH_CONTROL_PATH_DIR="$HOME/.ssh/dlc-cp-$(printf %s "$config/clusters/$name" | sha1sum | cut -c1-12)"
+mkdir -p "$ANSIBLE_SSH_CONTROL_PATH_DIR" && chmod 700 "$HOME/.ssh" "$ANSIBLE_SSH_CONTROL_PATH_DIR"
+export ANSIBLE_SSH_CONTROL_PATH_DIR
 export DLC_PROGRESS_DIR="$config/clusters/$name/progress"  # image shipping progress (callback_plugins/dlc_progress.py)
 export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 

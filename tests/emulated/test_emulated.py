@@ -342,7 +342,9 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         print(last)
         assert refused.returncode != 0 and f"1 job(s) run on the cluster ({job} (sleep 600))" in last, \
             refused.stdout[-3000:]
-        assert "Ray runs with settings older than /etc/systemd/system/dlc-ray.service" in last, last
+        # the unit (host runtime) or the container script (docker runtime) carries ray start's flags
+        assert re.search(r"Ray runs with settings older than (/etc/systemd/system/dlc-ray\.service|"
+                         r"/usr/local/sbin/dlc-ray-container)", last), last
         assert "dlc_restart_running_jobs: true" in last and ray_pids(emulated) == before
         # the truth about what the restart would have done (the head's: every job lost)
         assert "on the head it ends every job" in last or "on a worker it stops the job's workers" in last, \
