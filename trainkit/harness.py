@@ -240,6 +240,7 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
         scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
         run_config=cluster.run_config(run_.name, run_.storage_path, keep=args.keep_checkpoints,
                                       max_failures=args.max_failures),
+        **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
     )
     result = trainer.fit()
     if result.checkpoint is None:
