@@ -43,7 +43,10 @@ def horovod_config():
     def interface() -> str:
         return os.environ.get("GLOO_SOCKET_IFNAME", "")
 
-    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len({n["NodeManagerAddress"] for n in nodes}) < 2:  # one host: Horovod discovers nothing
+        return HorovodConfig()
+    alive = [n["NodeID"] for n in nodes]
     on = [interface.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
           for node in alive]
     names = set(ray.get([task.remote() for task in on]))
