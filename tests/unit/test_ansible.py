@@ -120,7 +120,7 @@ def _run_playbook_check(inventory: str, playbook: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("inventory", ["inventories/example/hosts.yml", "inventories/emulated/hosts.yml"])
-@pytest.mark.parametrize("playbook", ["cluster-up.yml", "cluster-status.yml", "cluster-down.yml"])
+@pytest.mark.parametrize("playbook", sorted(p.name for p in ANSIBLE.glob("cluster-*.yml")))
 def test_playbooks_parse_with_each_inventory(inventory, playbook):
     proc = _run_playbook_check(inventory, playbook)
     assert proc.returncode == 0, proc.stdout + proc.stderr
