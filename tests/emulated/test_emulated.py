@@ -297,7 +297,7 @@ def test_the_running_jobs_check_fails_closed(emulated, tmp_path):
     print(last)
     assert proc.returncode != 0 and last.startswith(
         "cluster-up: error: could not tell whether jobs run on cluster emulated (node-1: the job API at "
-        "http://172.31.251.11:8265/api/jobs/ answered HTTP 40"), last
+        f"http://{NODES['node-1']}:8265/api/jobs/ answered HTTP 40"), last
     assert "Ray runs with a token other than /etc/dlcluster/ray_token" in last, last
     assert "nothing was changed" in last
     assert "PLAY [Nodes" not in proc.stdout and untouched(proc)
