@@ -71,11 +71,11 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: setup ## every tier in turn (lint, unit, local cluster, image, emulated, GPU), a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py lint unit cluster image emulated gpu
+test: setup ## every tier in two lanes side by side (lint, unit, local cluster, image, GPU | emulated), a table, then `N passed, N failed, N skipped`
+	@$(PY) scripts/test_suite.py lint,unit,cluster,image,gpu emulated
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
-	@$(PY) scripts/test_suite.py lint unit
+	@$(PY) scripts/test_suite.py lint,unit
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -1,12 +1,16 @@
-"""make test / make check: run test tiers in order, then one table and one closing line.
+"""make test / make check: run test tiers in lanes, then one table and one closing line.
 
-Each tier is its own make target (make test-unit, ...) run with `--junitxml`; the counts come
-from those JUnit reports (lint writes one too: a case per linter), never from scraping output.
+Each argument is a lane: its tiers, joined by commas, run one after another; the lanes run side by
+side (the local-cluster tier's Ray jobs beside the emulated tier, which mostly waits on ssh and
+systemd in its containers). Each tier is its own make target (make test-unit, ...) run with
+`--junitxml`; the counts come from those JUnit reports (lint writes one too: a case per linter),
+never from scraping output. With more than one lane every output line starts with its tier's name.
 Every tier runs even after one failed, so the table is whole; the exit code is non-zero when any
 tier failed, errored, or ran no test. The last line printed is the suite's
 `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint unit cluster image emulated gpu
+    python scripts/test_suite.py lint,unit,cluster,gpu image,emulated    # make test
+    python scripts/test_suite.py lint,unit                               # make check
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# tier -> (make target, what it is). Order on the command line is the order they run in.
+# tier -> (make target, what it is)
 TIERS = {
     "lint": ("lint", "ruff, shellcheck, yamllint, ansible-lint"),
     "unit": ("test-unit", "tests/unit: no cluster"),
@@ -31,6 +36,12 @@ TIERS = {
     "emulated": ("test-emulated", "tests/emulated: a bastion and 3 node containers, real playbooks"),
     "gpu": ("test-gpu", "tests/gpu: CUDA, NCCL (skipped with its reason without a GPU)"),
 }
+PRINT = threading.Lock()
+
+
+def say(line: str, prefix: str = "") -> None:
+    with PRINT:
+        print(f"{prefix}{line}", flush=True)
 
 
 @dataclass
@@ -58,53 +69,88 @@ def counts(report: Path) -> tuple[int, int, int] | None:
     return max(tests - failed - skipped, 0), failed, skipped
 
 
-def run_tier(tier: str, reports: Path, pytest_args: str, index: int, total: int) -> Result:
+def judge(r: Result, got: tuple[int, int, int] | None) -> Result:
+    """A tier's counts and status from its report and exit code."""
+    if got is None:
+        r.failed, r.status = 1, f"no report (exit {r.rc}): the tier stopped before its tests"
+        return r
+    r.passed, r.failed, r.skipped = got
+    if r.rc == 5 or r.passed + r.failed + r.skipped == 0:
+        r.status = "ran no test"
+    elif r.rc != 0 and r.failed == 0:  # e.g. pytest's own error after the tests, or a teardown
+        r.failed, r.status = 1, f"exit {r.rc} with no failed test: counted as one failure"
+    else:
+        r.status = "ok" if r.rc == 0 else "FAILED"
+    return r
+
+
+def command(target: str, pytest_args: str) -> list[str]:
+    """How a tier runs: its make target, with the pytest flags that write its report."""
+    return ["make", "--no-print-directory", target, f"PYTEST_ARGS={pytest_args}"]
+
+
+def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str) -> Result:
     target, what = TIERS[tier]
     report = reports / f"{tier}.xml"
     report.unlink(missing_ok=True)
-    print(f"\n==== [{index}/{total}] {tier}: {what} (make {target}), started {time.strftime('%H:%M:%S')}",
-          flush=True)
+    say(f"==== {tier}: {what} (make {target}), started {time.strftime('%H:%M:%S')}", prefix)
     env = {**os.environ, "LINT_JUNIT": str(report)}
     args = (f"{pytest_args} --durations=10 --durations-min=5 --junitxml={shlex.quote(str(report))}"
             " -o junit_family=xunit1").strip()
     started = time.monotonic()
-    rc = subprocess.call(["make", "--no-print-directory", target, f"PYTEST_ARGS={args}"], cwd=REPO, env=env)
-    r = Result(tier, seconds=time.monotonic() - started, rc=rc)
-    got = counts(report)
-    if got is None:
-        r.failed, r.status = 1, f"no report (exit {rc}): the tier stopped before its tests"
-    else:
-        r.passed, r.failed, r.skipped = got
-        if rc == 5 or r.passed + r.failed + r.skipped == 0:
-            r.status = "ran no test"
-        elif rc != 0 and r.failed == 0:  # e.g. pytest's own error after the tests, or a teardown
-            r.failed, r.status = 1, f"exit {rc} with no failed test: counted as one failure"
-        else:
-            r.status = "ok" if rc == 0 else "FAILED"
-    print(f"==== {tier}: {r.passed} passed, {r.failed} failed, {r.skipped} skipped in {r.seconds:.0f} s"
-          f" ({r.status})", flush=True)
+    proc = subprocess.Popen(command(target, args), cwd=REPO,
+                            env=env, stdout=subprocess.PIPE if prefix else None,
+                            stderr=subprocess.STDOUT if prefix else None, text=True, errors="replace")
+    if prefix:
+        for line in proc.stdout:
+            say(line.rstrip("\n"), prefix)
+    rc = proc.wait()
+    r = judge(Result(tier, rc=rc, seconds=time.monotonic() - started), counts(report))
+    say(f"==== {tier}: {r.passed} passed, {r.failed} failed, {r.skipped} skipped in {r.seconds:.0f} s"
+        f" ({r.status})", prefix)
     return r
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("tiers", nargs="+", choices=list(TIERS))
+    ap.add_argument("lanes", nargs="+", metavar="TIER[,TIER...]",
+                    help=f"a lane: tiers run in turn; lanes run side by side. Tiers: {', '.join(TIERS)}")
     cache = Path(os.environ.get("DLC_CACHE", Path.home() / ".cache/dlcluster"))
     ap.add_argument("--reports", type=Path, default=cache / "test-reports",
                     help="folder for each tier's JUnit XML report")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    lanes = [lane.split(",") for lane in a.lanes]
+    order = [t for lane in lanes for t in lane]
+    unknown = sorted(set(order) - set(TIERS))
+    if unknown or len(set(order)) != len(order):
+        ap.error(f"tiers {', '.join(unknown) or 'named twice'}: each of {', '.join(TIERS)} at most once")
     a.reports.mkdir(parents=True, exist_ok=True)
     pytest_args = os.environ.get("PYTEST_ARGS", "")
+    width = max(map(len, order))
+    results: dict[str, Result] = {}
+
+    def run_lane(lane: list[str]) -> None:
+        for tier in lane:
+            prefix = f"{tier:<{width}} | " if len(lanes) > 1 else ""
+            results[tier] = run_tier(tier, a.reports, pytest_args, prefix)
+
+    if len(lanes) > 1:
+        say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in lanes))
     started = time.monotonic()
-    results = [run_tier(t, a.reports, pytest_args, i, len(a.tiers)) for i, t in enumerate(a.tiers, 1)]
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ordered = [results[t] for t in order]
     print(f"\n{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8}  status")
-    for r in results:
+    for r in ordered:
         print(f"{r.tier:<10} {r.passed:>7} {r.failed:>7} {r.skipped:>8} {r.seconds:>8.0f}  {r.status}")
-    total = Result("all", *(sum(getattr(r, k) for r in results) for k in ("passed", "failed", "skipped")),
+    total = Result("all", *(sum(getattr(r, k) for r in ordered) for k in ("passed", "failed", "skipped")),
                    seconds=time.monotonic() - started)
     print(f"{'all':<10} {total.passed:>7} {total.failed:>7} {total.skipped:>8} {total.seconds:>8.0f}"
-          f"  (reports: {a.reports})")
-    bad = [r.tier for r in results if r.status != "ok"]
+          f"  (wall clock; reports: {a.reports})")
+    bad = [r.tier for r in ordered if r.status != "ok"]
     if bad:
         print(f"test: not passed: {', '.join(bad)}", file=sys.stderr, flush=True)
     print(f"{total.passed} passed, {total.failed} failed, {total.skipped} skipped", flush=True)

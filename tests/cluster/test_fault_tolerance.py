@@ -110,14 +110,18 @@ def test_a_lost_node_costs_a_restart_not_the_run(doomed, tmp_path):
                   "--storage-path", str(storage), "--output", str(out), "--max-failures", "3")
     job.wait_for("epoch 2/3: ")
     wait_registered(storage)
-    temp_root = json.loads((doomed.config / "clusters" / "local" / "state.json").read_text())["temp_root"]
-    node = node_pids(f"{temp_root}/node1")
+    node = node_pids(f"{temp_root(doomed)}/node1")
     assert node, "node1 has no processes"
     killed_at = kill(node)
     out_text = job.finish()
     m = check_recovered(out, killed_at, last_epoch=3)
     assert m["world_size"] == 1 and m["restarts"]["attempts"][0]["world_size"] == 2
     assert "restart(s), resumed after epoch(s)" in out_text
+
+
+def temp_root(cluster) -> str:
+    """The local cluster's own temp root (ray/local_cluster.py records it): its processes name it."""
+    return json.loads((cluster.config / "clusters" / "local" / "state.json").read_text())["temp_root"]
 
 
 def node_pids(temp_dir: str) -> set[int]:
@@ -127,9 +131,12 @@ def node_pids(temp_dir: str) -> set[int]:
     return {q.pid for p in roots for q in [p, *p.children(recursive=True)]}
 
 
-def ray_train_workers() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
+def ray_train_workers(cluster) -> list[int]:
+    """The Ray Train workers of this cluster only: the emulated tier may train on the same host
+    (its node containers' processes are this host's too)."""
+    mine = node_pids(temp_root(cluster))
+    return sorted(p.pid for p in psutil.process_iter(["cmdline"]) if p.pid in mine
+                  and any("RayTrainWorker" in part for part in (p.info["cmdline"] or [])))
 
 
 # Horovod's epochs over the built-in digits last a third of a second: 20 of them, so the kill
@@ -146,7 +153,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, ar
         wait_registered(tmp_path / "runs")
     else:  # V1 persists the checkpoint's folder on the storage before the report returns
         wait_for("a persisted checkpoint", lambda: any((tmp_path / "runs").rglob("checkpoint_*")), 120)
-    workers = ray_train_workers()
+    workers = ray_train_workers(cluster)
     assert workers, "no Ray Train worker process found"
     killed_at = kill(workers[-1:])
     running.finish()

@@ -1,0 +1,70 @@
+"""scripts/test_suite.py (make test, make check): counts from real pytest JUnit reports, lanes side
+by side with every line named by its tier, the table, and the closing line."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import test_suite  # noqa: E402
+
+TIER_TESTS = {  # a tier's tests: name -> source
+    "green": "import time\ndef test_a(): time.sleep(2)\ndef test_b(): pass\n",
+    "mixed": ("import time, pytest\ndef test_ok(): time.sleep(2)\ndef test_bad(): assert 1 == 2\n"
+              "@pytest.mark.skip(reason='no GPU here')\ndef test_gpu(): pass\n"),
+    "empty": "# no test\n",
+}
+
+
+@pytest.fixture
+def tiers(tmp_path, monkeypatch):
+    """Tiers whose 'make target' is a real pytest run of a file of their own."""
+    for name, source in TIER_TESTS.items():
+        (tmp_path / f"tier_{name}.py").write_text(source)
+    monkeypatch.setattr(test_suite, "TIERS", {n: (n, f"the {n} tier") for n in TIER_TESTS})
+    monkeypatch.setattr(test_suite, "command", lambda target, args: [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "--rootdir",
+        str(tmp_path), str(tmp_path / f"tier_{target}.py"), *args.split()])
+    return tmp_path
+
+
+def test_counts_come_from_the_junit_report(tiers):
+    report = tiers / "mixed.xml"
+    subprocess.run(test_suite.command("mixed", f"--junitxml={report}"), capture_output=True)
+    assert test_suite.counts(report) == (1, 1, 1)
+    assert test_suite.counts(tiers / "absent.xml") is None
+
+
+def test_lanes_run_side_by_side_and_the_last_line_sums_every_tier(tiers, capsys):
+    rc = test_suite.main(["green,mixed", "empty", "--reports", str(tiers / "reports")])
+    out = capsys.readouterr().out
+    assert rc == 1  # mixed failed a test, empty ran none
+    lines = out.strip().splitlines()
+    assert lines[-1] == "3 passed, 1 failed, 1 skipped"
+    rows = {ln.split()[0]: ln.split() for ln in lines if re.match(r"(green|mixed|empty|all) +\d", ln)}
+    assert rows["green"][1:4] == ["2", "0", "0"] and rows["green"][5] == "ok"
+    assert rows["mixed"][1:4] == ["1", "1", "1"] and rows["mixed"][5] == "FAILED"
+    assert " ".join(rows["empty"][5:]) == "ran no test"
+    assert rows["all"][1:4] == ["3", "1", "1"]
+    # each tier's own output, named by its tier
+    assert re.search(r"^mixed \| .*test_bad", out, re.M) and re.search(r"^green \| .*2 passed", out, re.M)
+    assert "SKIPPED" in out and "no GPU here" in out  # -ra: a skip keeps its reason
+    # the second lane did not wait for the first: empty ended before mixed started
+    assert out.index("==== empty: 0 passed") < out.index("==== mixed: the mixed tier")
+
+
+def test_one_lane_prints_as_it_is(tiers, capsys):
+    assert test_suite.main(["green", "--reports", str(tiers / "reports")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "2 passed, 0 failed, 0 skipped"
+
+
+@pytest.mark.parametrize("lanes", [["green,nope"], ["green", "green"]])
+def test_an_unknown_or_repeated_tier_is_one_line(tiers, capsys, lanes):
+    with pytest.raises(SystemExit) as e:
+        test_suite.main(lanes)
+    assert e.value.code == 2
+    assert "at most once" in capsys.readouterr().err.strip().splitlines()[-1]
