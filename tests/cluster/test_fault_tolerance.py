@@ -159,3 +159,6 @@ def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, ar
     running.finish()
     m = check_recovered(tmp_path / "model", killed_at, last_epoch=epochs)
     assert m["world_size"] == 2 and m["replicas_in_sync"] is True
+    if job == "tf_cnn":  # the TF job's run across both nodes: MultiWorkerMirrored, its model whole
+        from test_tf_cnn import check_model
+        check_model(tmp_path / "model", 2, "multiworker")
