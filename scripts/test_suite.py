@@ -95,8 +95,9 @@ def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str) -> Result:
     report.unlink(missing_ok=True)
     say(f"==== {tier}: {what} (make {target}), started {time.strftime('%H:%M:%S')}", prefix)
     env = {**os.environ, "LINT_JUNIT": str(report)}
-    args = (f"{pytest_args} --durations=10 --durations-min=5 --junitxml={shlex.quote(str(report))}"
-            " -o junit_family=xunit1").strip()
+    # beside another lane a line per test (-v): pytest's dots reach a line only when a file ends
+    args = (f"{pytest_args}{' -v' if prefix else ''} --durations=10 --durations-min=5"
+            f" --junitxml={shlex.quote(str(report))} -o junit_family=xunit1").strip()
     started = time.monotonic()
     proc = subprocess.Popen(command(target, args), cwd=REPO,
                             env=env, stdout=subprocess.PIPE if prefix else None,

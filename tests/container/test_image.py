@@ -10,6 +10,7 @@ Horovod's gloo crashes.)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -128,6 +129,29 @@ def test_horovod_check_build(image):
     assert proc.returncode == 0
     for item in ("PyTorch", "Gloo"):
         assert re.search(rf"\[X\] {item}\s*$", proc.stdout, re.M), f"{item} missing:\n{proc.stdout}"
+
+
+def release(os_release: str) -> str:
+    """'debian 12' from an /etc/os-release text: what docker/build.sh compares."""
+    fields = dict(line.split("=", 1) for line in os_release.splitlines() if "=" in line)
+    return " ".join(fields.get(k, "").strip('"') for k in ("ID", "VERSION_ID"))
+
+
+def test_the_cpu_image_uses_the_horovod_compiled_here(image):
+    """The host runs the CPU base's release: the builder stage took the wheel build_horovod.sh
+    compiled for this host's virtualenv (docker/build.sh's .prebuilt/) instead of compiling its own,
+    byte for byte, and the checks above and below run it."""
+    base = sh(DOCKER, "run", "--rm", "--network", "none", "--entrypoint", "cat", "dlcluster/base:bookworm",
+              "/etc/os-release")
+    assert base.returncode == 0, base.stdout
+    here = release(Path("/etc/os-release").read_text())
+    if release(base.stdout) != here:
+        pytest.skip(f"this host runs {here}, the CPU base {release(base.stdout)}: the image compiles its own")
+    lib = "horovod/torch/mpi_lib_v2.cpython-311-x86_64-linux-gnu.so"
+    ours = hashlib.sha256((REPO / ".venv/lib/python3.11/site-packages" / lib).read_bytes()).hexdigest()
+    proc = in_image("sha256sum", f"/opt/venv/lib/python3.11/site-packages/{lib}")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.stdout.split()[0] == ours
 
 
 def test_horovodrun_allreduce_two_processes(image):
