@@ -22,6 +22,8 @@ JOB             ?= ddp_autoencoder
 ARGS            ?=
 # extra flags for pytest
 PYTEST_ARGS     ?=
+# make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn)
+TEST_LANES      ?= lint,unit,cluster,image,emulated,gpu
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
@@ -71,8 +73,8 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: setup ## every tier in two lanes side by side (lint, unit, local cluster, image, GPU | emulated), a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py lint,unit,cluster,image,gpu emulated
+test: setup ## every tier (TEST_LANES: lint, unit, local cluster, image, emulated, GPU in turn), a table, then `N passed, N failed, N skipped`
+	@$(PY) scripts/test_suite.py $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
 	@$(PY) scripts/test_suite.py lint,unit

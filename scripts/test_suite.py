@@ -1,15 +1,16 @@
 """make test / make check: run test tiers in lanes, then one table and one closing line.
 
 Each argument is a lane: its tiers, joined by commas, run one after another; the lanes run side by
-side (the local-cluster tier's Ray jobs beside the emulated tier, which mostly waits on ssh and
-systemd in its containers). Each tier is its own make target (make test-unit, ...) run with
+side (make test: TEST_LANES, one lane by default: on 2 cores two lanes were slower, see README's
+Testing). Each tier is its own make target (make test-unit, ...) run with
 `--junitxml`; the counts come from those JUnit reports (lint writes one too: a case per linter),
 never from scraping output. With more than one lane every output line starts with its tier's name.
 Every tier runs even after one failed, so the table is whole; the exit code is non-zero when any
 tier failed, errored, or ran no test. The last line printed is the suite's
 `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint,unit,cluster,gpu image,emulated    # make test
+    python scripts/test_suite.py lint,unit,cluster,image,emulated,gpu    # make test
+    python scripts/test_suite.py lint,unit,cluster,image,gpu emulated    # two lanes side by side
     python scripts/test_suite.py lint,unit                               # make check
 """
 
