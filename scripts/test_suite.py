@@ -113,9 +113,21 @@ def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str) -> Result:
     return r
 
 
+def lane_problem(order: list[str]) -> str | None:
+    """What is wrong with the tiers named (in lane order), or None."""
+    if not order:
+        return "no tier"
+    for tier in order:
+        if tier not in TIERS:
+            return f"{tier!r} is not a tier" if tier else "an empty tier name (two commas, or one at an end)"
+        if order.count(tier) > 1:
+            return f"{tier} is named {order.count(tier)} times"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lanes", nargs="+", metavar="TIER[,TIER...]",
+    ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
                     help=f"a lane: tiers run in turn; lanes run side by side. Tiers: {', '.join(TIERS)}")
     cache = Path(os.environ.get("DLC_CACHE", Path.home() / ".cache/dlcluster"))
     ap.add_argument("--reports", type=Path, default=cache / "test-reports",
@@ -123,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     lanes = [lane.split(",") for lane in a.lanes]
     order = [t for lane in lanes for t in lane]
-    unknown = sorted(set(order) - set(TIERS))
-    if unknown or len(set(order)) != len(order):
-        ap.error(f"tiers {', '.join(unknown) or 'named twice'}: each of {', '.join(TIERS)} at most once")
+    problem = lane_problem(order)
+    if problem:
+        print(f"test: error: lanes {' '.join(a.lanes)!r}: {problem}; name each of {', '.join(TIERS)} at most "
+              "once, comma-separated within a lane (make test: TEST_LANES)", file=sys.stderr)
+        return 2
     a.reports.mkdir(parents=True, exist_ok=True)
     pytest_args = os.environ.get("PYTEST_ARGS", "")
     width = max(map(len, order))

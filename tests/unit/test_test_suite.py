@@ -62,9 +62,15 @@ def test_one_lane_prints_as_it_is(tiers, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == "2 passed, 0 failed, 0 skipped"
 
 
-@pytest.mark.parametrize("lanes", [["green,nope"], ["green", "green"]])
-def test_an_unknown_or_repeated_tier_is_one_line(tiers, capsys, lanes):
-    with pytest.raises(SystemExit) as e:
-        test_suite.main(lanes)
-    assert e.value.code == 2
-    assert "at most once" in capsys.readouterr().err.strip().splitlines()[-1]
+@pytest.mark.parametrize("lanes,problem", [
+    (["green,nope"], "'nope' is not a tier"),
+    (["green", "green"], "green is named 2 times"),
+    (["green,,mixed"], "an empty tier name"),
+    ([], "no tier"),
+])
+def test_bad_lanes_are_one_line_before_any_tier_runs(tiers, capsys, lanes, problem):
+    assert test_suite.main([*lanes, "--reports", str(tiers / "reports")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tiers / "reports").exists()  # nothing ran, nothing written
+    (line,) = err.strip().splitlines()
+    assert line.startswith("test: error: lanes ") and problem in line and "TEST_LANES" in line, line
