@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -229,6 +230,11 @@ def on_ray(job: Job, args: argparse.Namespace) -> Published:
     # to that long to be noticed (measured: a no-op TorchTrainer's fit() 13.7 s -> 10.4 s at 0.2 s).
     # Propagated by Ray Train to the controller and the workers; an operator's own value wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray Train's preemption watcher asks the cluster every 5 s whether a node is being drained
+    # for preemption (a cloud's spot capacity, an autoscaler) and logs an error line on every run
+    # as it starts (its arguments live in the object store while it may restart). Servers a team
+    # owns are not preempted: a lost node is a failure, which --max-failures handles.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # the driver idles while the workers train: read the held-out inputs and import the exporters
     # meanwhile, not after training (on the 2-core machine: 1.7 s of every run's wall time)
     from concurrent.futures import ThreadPoolExecutor
@@ -263,7 +269,16 @@ def ray_worker(loop_config: dict) -> None:
     # all. Frozen, the collector skips them (measured, Horovod job, 2 epochs: 0.54-0.60 s of
     # collections per worker down to 0.15-0.22 s).
     gc.freeze()
+    quiet_ray_train()
     loop_config["job"].fit(loop_config["run"], loop_config["config"])
+
+
+def quiet_ray_train() -> None:
+    """Ray Train (V2) logs each report() whole, metrics and checkpoint, from every worker, at INFO
+    on a logger named by its file: the harness prints the epoch line itself. Warnings stay."""
+    context = sys.modules.get("ray.train.v2._internal.execution.context")
+    if context is not None:
+        logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 def ray_trainer(kind: str):

@@ -29,8 +29,9 @@ from .errors import EXIT_USER_ERROR, UserError
 FORMAT = "dlcluster-cluster/2"
 RECORD = "cluster.json"
 CLIENT_ENV = "ray-client.env"
-# Ray's default working-dir excludes less .git: .rayignore keeps its refs only (no config, no
-# history), from which a job's manifest names the commit
+# Folders no upload carries. For `ray job submit` .gitignore and .rayignore name them (Ray's own
+# default list, which also drops .git, is off: .rayignore keeps .git's refs only, no config, no
+# history, from which a job's manifest names the commit); uploads made in code list them.
 EXCLUDES = (".venv", ".venv-ansible", "venv", "__pycache__")
 
 
@@ -118,7 +119,14 @@ class ClusterRecord(BaseModel):
         """The environment `ray job submit` needs: the job API, token auth, the excludes."""
         return {"RAY_ADDRESS": self.job_api, "RAY_AUTH_MODE": "token",
                 "RAY_AUTH_TOKEN_PATH": self.token_path,
-                "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": ",".join(EXCLUDES)}
+                # What the upload leaves behind is .gitignore's and .rayignore's to say (Ray reads
+                # both; they name EXCLUDES). Ray's own default list would only add a warning per
+                # folder on every submit that it now leaves .venv behind.
+                "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES": "",
+                # `ray job submit` at warning: the CLI's default level (its --logging-level) also
+                # prints a notice per ignore file it reads; the submission, the job's own log and
+                # its result (Ray's CLI logger) are printed at any level.
+                "RAY_LOGGER_LEVEL": "warning"}
 
     def write(self, config: Path | None = None) -> Path:
         """Write the record and its client env under clusters/<name>/ and make it current."""

@@ -23,6 +23,17 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+# What Ray prints that a user cannot act on, turned off by the harness (the report dumps, the
+# preemption watcher) and by ray-client.env (the ignore-file notices, the venv warnings)
+RAY_NOISE = ("Reporting training result", "PreemptionWatcher", "Ignoring upload to cluster",
+             "is now ignored by default")
+
+
+def ray_noise(output: str) -> list[str]:
+    """The lines of a job's log that are Ray's noise (none, in a quiet log)."""
+    return [line for line in output.splitlines() if any(n in line for n in RAY_NOISE)]
+
+
 @dataclass
 class LocalCluster:
     config: Path

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import read_manifest
+from conftest import ray_noise, read_manifest
 from ddp_autoencoder import AutoEncoder
 from PIL import Image
 
@@ -39,6 +39,7 @@ def run(cluster, storage, name, *args):
 def test_trains_on_two_nodes_and_exports_verified_onnx(cluster, storage, frames_dir):
     proc = run(cluster, storage, "e2e", "--data", str(frames_dir), "--epochs", "1")
     assert proc.returncode == 0 and "succeeded" in proc.stdout
+    assert ray_noise(proc.stdout) == []  # the run line, progress, epochs, the result: no Ray dumps
     out = storage.parent / "models-e2e"
     assert f"ONNX model: {out / 'model.onnx'}" in proc.stdout
     m = read_manifest(out)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import read_manifest, start_cluster
+from conftest import ray_noise, read_manifest, start_cluster
 
 
 def wait_for(what, predicate, timeout: float):
@@ -156,8 +156,9 @@ def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, ar
     workers = ray_train_workers(cluster)
     assert workers, "no Ray Train worker process found"
     killed_at = kill(workers[-1:])
-    running.finish()
+    output = running.finish()
     m = check_recovered(tmp_path / "model", killed_at, last_epoch=epochs)
+    assert ray_noise(output) == []  # quiet across a restart too (a new worker group, a new watcher)
     assert m["world_size"] == 2 and m["replicas_in_sync"] is True
     if job == "tf_cnn":  # the TF job's run across both nodes: MultiWorkerMirrored, its model whole
         from test_tf_cnn import check_model

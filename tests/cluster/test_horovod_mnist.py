@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import BIN, REPO, read_manifest
+from conftest import BIN, REPO, ray_noise, read_manifest
 from horovod_mnist import Net
 
 JOB = "horovod_mnist"
@@ -32,6 +32,7 @@ def test_horovod_trainer_on_two_nodes(cluster, tmp_path):
     proc = cluster.submit(JOB, "--epochs", "1", "--batch-size", "64", "--storage-path",
                           str(tmp_path / "runs"), "--name", "hvd", "--output", str(out))
     assert proc.returncode == 0 and "succeeded" in proc.stdout
+    assert ray_noise(proc.stdout) == []
     check_model(out, 2)
     assert read_manifest(out)["launcher"] == "ray"
     # the parity the manifest claims, checked here without the code under test: the last

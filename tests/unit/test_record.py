@@ -89,7 +89,7 @@ def test_write_makes_the_cluster_current_with_its_client_env(tmp_path):
     env = (tmp_path / "ray-client.env").read_text().splitlines()
     assert env == ["export RAY_ADDRESS=http://127.0.0.1:8265", "export RAY_AUTH_MODE=token",
                    f"export RAY_AUTH_TOKEN_PATH={r.token_path}",
-                   "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=.venv,.venv-ansible,venv,__pycache__"]
+                   "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=", "export RAY_LOGGER_LEVEL=warning"]
 
 
 def ansible_template(**facts) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ray._private.runtime_env.packaging import _zip_files
 
-from trainkit import onnx_export
+from trainkit import onnx_export, record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,10 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     _git("config", "remote.origin.url", f"https://user:{secret}@git.example.org/team/dlc.git", cwd=clone)
     dropped = ["id_ed25519", "jobs/id_rsa.pub", "deploy.pem", "ansible/inventories/mylab/hosts.yml",
                "ansible/inventories/mylab/group_vars/all.yml", "clusters/lab/ray_token",
-               "myvenv/pyvenv.cfg", ".venv-test/bin/python"]
+               "myvenv/pyvenv.cfg", ".venv-test/bin/python",
+               # Ray's own default excludes are off (ray-client.env): the ignore files name them
+               *[f"{folder}/left-behind" for folder in record.EXCLUDES],
+               *[f"jobs/{folder}/left-behind" for folder in record.EXCLUDES]]
     for name in dropped:
         (clone / name).parent.mkdir(parents=True, exist_ok=True)
         (clone / name).write_text(secret + "\n")
