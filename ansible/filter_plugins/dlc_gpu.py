@@ -1,6 +1,6 @@
-"""The docker role's decisions for a GPU node's engine settings, from what the node holds.
+"""The docker_engine role's decisions for a GPU node's engine settings, from what the node holds.
 
-Used by roles/docker; tests/unit/test_ansible.py covers each case.
+Used by roles/docker_engine; tests/unit/test_ansible.py covers each case.
   daemon_json_problem:  /etc/docker/daemon.json exists but is not a JSON object: one line naming
                         the node and the fix (nothing is rewritten on top of a file nobody can read).
   needs_nvidia_runtime: the engine's settings lack the NVIDIA runtime, whether or not the file

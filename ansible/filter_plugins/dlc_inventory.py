@@ -1,7 +1,7 @@
 """Every value an inventory sets, checked before any host is touched: one line per problem, naming
 the host, the variable and the fix.
 
-Used by roles/control (`groups['ray_nodes'] | dlc_inventory_problems(hostvars, bastion)`), which
+Used by roles/inventory_checks (`groups['ray_nodes'] | dlc_inventory_problems(hostvars, bastion)`), which
 stops the run on the first line; tests/unit/test_inventory.py holds a table of bad inventories.
 Only what the inventory sets is checked here: the roles' defaults are valid by construction.
 """
@@ -32,7 +32,7 @@ ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 def _value(hv, name):
     """hv[name], or None when absent or when it is a template this play cannot resolve (one that
-    names a role's default): the control role passes such values resolved, as `cluster`."""
+    names a role's default): the inventory_checks role passes such values resolved, as `cluster`."""
     try:
         return str(hv[name]) if name in hv else None  # str(): Ansible may template only now
     except Exception:  # noqa: BLE001 - Ansible's undefined-variable errors vary by version

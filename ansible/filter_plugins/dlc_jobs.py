@@ -1,7 +1,7 @@
 """The one rule for anything that would restart Ray: never under a running job unless asked.
 
-Used by every path that restarts Ray (roles/ray: its settings; roles/docker: the engine; roles/
-firewall: turned off; roles/nvidia: the reboot for the driver; cluster-down; rotate-token);
+Used by every path that restarts Ray (roles/ray: its settings; roles/docker_engine: the engine;
+roles/firewall: turned off; roles/nvidia: the reboot for the driver; cluster-down; rotate-token);
 tests/unit/test_ansible.py covers each case.
   restart_refusal: "" when the restart may go ahead, else the one line that stops it: the node,
                    what would restart, the jobs the head named before any role ran (roles/control,

@@ -135,6 +135,37 @@ def test_inventories_have_the_groups_cluster_up_needs():
         assert set(groups["ray_nodes"]["children"]) == {"ray_head", "ray_workers"}
 
 
+def _first_steps(play: dict) -> list[str]:
+    """The roles a play runs first, in order: its `roles:`, else its tasks' import_role names."""
+    if play.get("roles"):
+        return [r if isinstance(r, str) else r["role"] for r in play["roles"]]
+    return [t["ansible.builtin.import_role"]["name"] for t in play.get("tasks", [])
+            if "ansible.builtin.import_role" in t]
+
+
+@pytest.mark.parametrize("playbook", sorted(p.name for p in ANSIBLE.glob("cluster-*.yml")))
+def test_every_playbook_checks_the_inventory_first(playbook):
+    """roles/inventory_checks runs first (after the defaults), on the control host, before any play
+    or role that changes or contacts anything."""
+    plays = yaml.safe_load((ANSIBLE / playbook).read_text())
+    if "ansible.builtin.import_playbook" in plays[0]:  # rotate-token: cluster-up's
+        plays = yaml.safe_load((ANSIBLE / plays[0]["ansible.builtin.import_playbook"]).read_text())
+    assert plays[0]["hosts"] == "localhost" and plays[0]["connection"] == "local"
+    assert _first_steps(plays[0])[:2] == ["dlc", "inventory_checks"], _first_steps(plays[0])
+    assert all("inventory_checks" not in _first_steps(p) for p in plays[1:])
+
+
+def test_the_image_role_has_a_task_file_per_way_of_shipping():
+    """roles/docker's main.yml includes tasks/<docker_image_from>.yml: one file for each value the
+    inventory check accepts."""
+    import dlc_inventory
+
+    files = {p.stem for p in (ANSIBLE / "roles/docker/tasks").glob("*.yml")}
+    assert set(dlc_inventory.IMAGE_SOURCES) <= files
+    main = yaml.safe_load((ANSIBLE / "roles/docker/tasks/main.yml").read_text())
+    assert any(t.get("ansible.builtin.include_tasks") == "{{ docker_image_from }}.yml" for t in main)
+
+
 def test_ray_version_default_is_the_projects_pin():
     pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     ray_pin = next(p for p in pins if p.startswith("ray[")).split("==")[1]

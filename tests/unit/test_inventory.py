@@ -1,6 +1,6 @@
 """Bad inventories, each one line naming the host, the variable and the fix, before any host is
 touched. The inventories are real files parsed by Ansible (`ansible-inventory --list`); the checks
-are the filter the control role runs (ansible/filter_plugins/dlc_inventory.py); two of them go
+are the filter the inventory_checks role runs (ansible/filter_plugins/dlc_inventory.py); two of them go
 through `make cluster-up`'s script end to end. Bad Make variables of the local cluster are in
 tests/cluster/test_local_cluster.py."""
 
