@@ -1,9 +1,11 @@
 # The front door: every target is one line of help (`make help`) and one script.
-# Variables a user may set (defaults in ?= below; README lists them all):
+# Variables a user may set (defaults in ?= below; README lists them all). Versions and default
+# paths are versions.env's, the one place for each.
+include versions.env
 # the Python the virtualenv is made from
-PYTHON          ?= python3.11
+PYTHON          ?= $(DEFAULT_PYTHON)
 # cached virtualenvs and the Horovod wheel
-DLC_CACHE       ?= $(HOME)/.cache/dlcluster
+DLC_CACHE       ?= $(HOME)/$(DEFAULT_CACHE_IN_HOME)
 # Ray token (0600), ray-client.env, cluster state
 DLC_CONFIG      ?= $(HOME)/.config/dlcluster
 # nodes of the embedded local cluster
@@ -111,7 +113,7 @@ clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
 GPU        ?= 0
 # the tag; empty: dlcluster:cpu or dlcluster:gpu
 IMAGE      ?=
-# the FROM image; empty: dlcluster/base:bookworm (made here) or nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04
+# the FROM image; empty: versions.env's PIN_CPU_BASE_IMAGE (made here) or PIN_GPU_BASE_IMAGE
 BASE_IMAGE ?=
 # GPU: CUDA architectures for Horovod's NCCL operations (e.g. 80,90); empty: all 12
 CUDA_ARCHS ?=
@@ -123,7 +125,7 @@ export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE
 wheels: setup ## the wheelhouse of the pinned stack that image builds install from (no index)
 	@scripts/wheelhouse.sh
 
-image-base: ## a Debian base image with no registry: debootstrap + docker import (dlcluster/base:bookworm)
+image-base: ## a Debian base image with no registry: debootstrap + docker import (versions.env's PIN_CPU_BASE_IMAGE)
 	@docker/mkbase.sh
 
 image: setup ## build the image: CPU here by default, GPU=1 for the CUDA one (docker/Dockerfile)

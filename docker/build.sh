@@ -5,27 +5,29 @@
 #   GPU         0: CPU image on a plain Debian base; 1: CUDA image (NCCL operations; TensorFlow in
 #               its own virtualenv with its CUDA 12 libraries, /opt/tf-venv)           [0]
 #   IMAGE       the tag                                          [dlcluster:cpu / dlcluster:gpu]
-#   BASE_IMAGE  CPU: [dlcluster/base:bookworm], made by docker/mkbase.sh when missing;
-#               GPU: [nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04], must be in the local engine
+#   BASE_IMAGE  CPU: [versions.env's PIN_CPU_BASE_IMAGE], made by docker/mkbase.sh when missing;
+#               GPU: [versions.env's PIN_GPU_BASE_IMAGE], must be in the local engine
 #               (it is never pulled by this script)
 #   CUDA_ARCHS  GPU: CUDA architectures for Horovod's NCCL operations, e.g. 80,90     [all 12]
 #   CA_BUNDLE   CA bundle given to the build's apt steps as a BuildKit secret, never stored in
 #               the image [/etc/ssl/certs/ca-certificates.crt when /usr/local/share/ca-certificates
 #               holds a certificate (a TLS-intercepting proxy), else none]; "none": never
-#   PYTHON      the client's interpreter: the image must run the same major.minor    [python3.11]
+#   PYTHON      the client's interpreter: the image must run the same major.minor
+#                                                            [versions.env's DEFAULT_PYTHON]
 # Steps: a Docker engine (docker/engine.sh), the base, the wheelhouse linked into .whl/
 # (scripts/wheelhouse.sh), then `docker build`. Each build's seconds and cached/run steps are
 # appended to $DLC_CACHE/image-builds.tsv for `make image-report`; the full log is
 # $DLC_CACHE/image-build.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ./versions.env  # the base images, Python, Horovod (the one place for each)
 
 export DOCKER=${DOCKER:-/usr/bin/docker} DOCKER_BUILDKIT=1
 GPU=${GPU:-0}
-PYTHON=${PYTHON:-python3.11}
-CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
-CPU_BASE=dlcluster/base:bookworm
-GPU_BASE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu22.04
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
+CPU_BASE=$PIN_CPU_BASE_IMAGE
+GPU_BASE=$PIN_GPU_BASE_IMAGE
 die() { echo "image: error: $*" >&2; exit 1; }
 
 case $GPU in
@@ -33,7 +35,7 @@ case $GPU in
   1) IMAGE=${IMAGE:-dlcluster:gpu}; BASE_IMAGE=${BASE_IMAGE:-$GPU_BASE} ;;
   *) die "GPU must be 0 or 1 (got '$GPU')" ;;
 esac
-command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/python3.11 (the client's Python)"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/python3.X (the client's Python)"
 pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 docker/engine.sh
@@ -56,14 +58,21 @@ scripts/wheelhouse.sh "${tf_args[@]}" --link .whl >/dev/null
 # key of Horovod, torch, Python minor, patch and flavour), when this host runs the base image's
 # distribution release (the same glibc and compiler). The builder stage uses a wheel of its own key
 # from there instead of compiling (about 10 minutes on 2 cores for the CPU flavour); the GPU flavour
-# is never compiled here, so it compiles there. The runtime stage's horovodrun --check-build checks
-# what it installs either way.
+# is compiled here only for a base that carries this host's own CUDA toolkit (docker/cuda-standin.sh:
+# the same release, the same nvcc), once per key (the NCCL operations take 10-20 minutes on 2 cores),
+# else there. The runtime stage's horovodrun --check-build checks what it installs either way.
 rm -rf .prebuilt && mkdir .prebuilt
 release() { sed -n 's/^\(ID\|VERSION_ID\)=//p' | tr -d '"' | paste -sd' '; }
 here=$(release </etc/os-release 2>/dev/null || true)
-if [ -n "$here" ] && \
-   [ "$("$DOCKER" run --rm --network none --entrypoint cat "$BASE_IMAGE" /etc/os-release 2>/dev/null | release)" = "$here" ]; then
-  for w in "$CACHE"/wheels/horovod-*-cpu/horovod-*.whl; do
+in_base() { "$DOCKER" run --rm --network none --entrypoint "$1" "$BASE_IMAGE" "${@:2}" 2>/dev/null; }
+if [ -n "$here" ] && [ "$(in_base cat /etc/os-release | release)" = "$here" ]; then
+  if [ "$GPU" = 1 ] && command -v nvcc >/dev/null && [ -x .venv/bin/python ] \
+     && [ "$(in_base /usr/local/cuda/bin/nvcc --version | tail -n 1)" = "$(nvcc --version | tail -n 1)" ]; then
+    echo "image: Horovod's NCCL operations for this base, compiled on this host once per key (log: $CACHE/wheels/<key>/build.log)"
+    HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=${CUDA_ARCHS:-} scripts/build_horovod.sh --wheel-only .venv >/dev/null \
+      || die "compiling Horovod's NCCL operations failed (scripts/build_horovod.sh; its log is named above)"
+  fi
+  for w in "$CACHE"/wheels/horovod-*/horovod-*.whl; do
     [ -f "$w" ] || continue
     key=$(basename "$(dirname "$w")")
     mkdir -p ".prebuilt/$key" && { ln -f "$w" ".prebuilt/$key/" 2>/dev/null || cp "$w" ".prebuilt/$key/"; }
@@ -99,7 +108,7 @@ echo "image: building $IMAGE from $BASE_IMAGE (log: $log; a first build takes ab
 b0=$SECONDS
 set +e
 "$DOCKER" build --progress=plain -f docker/Dockerfile -t "$IMAGE" "${secret[@]}" \
-  --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON_VERSION="$pyver" \
+  --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON="python$pyver" --build-arg PYTHON_VERSION="$pyver" \
   --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
   tee "$log" | grep --line-buffered -E '^#[0-9]+ (\[[a-z]+ +[0-9]+/[0-9]+\]|CACHED$)|ERROR' | show_steps
 rc=${PIPESTATUS[0]}

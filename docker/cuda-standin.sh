@@ -8,6 +8,7 @@
 #                                        one is kept. Prints the image's name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ./versions.env  # PIN_CPU_BASE_IMAGE (the one place for each)
 
 DOCKER=${DOCKER:-/usr/bin/docker}
 die() { echo "cuda-standin: error: $*" >&2; exit 1; }
@@ -27,7 +28,7 @@ ctx=$(mktemp -d /var/tmp/dlcluster-cuda.XXXXXX)
 trap 'rm -rf "$ctx"' EXIT
 cp -al "$toolkit" "$ctx/cuda" 2>/dev/null || cp -a "$toolkit" "$ctx/cuda"
 cat >"$ctx/Dockerfile" <<EOF
-FROM dlcluster/base:bookworm
+FROM $PIN_CPU_BASE_IMAGE
 COPY cuda /usr/local/cuda-$version
 RUN ln -s cuda-$version /usr/local/cuda
 ENV PATH=/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin

@@ -3,9 +3,9 @@
 # `docker import` it. For air-gapped sites, and for this project's tests (nothing is pulled).
 #
 # usage: docker/mkbase.sh [--force] [NAME]
-#   NAME     the image to make (default dlcluster/base:bookworm); an existing one is kept
-#            unless --force
-#   SUITE    Debian release (default bookworm: its python3.11 is the project's Python)
+#   NAME     the image to make (default: versions.env's PIN_CPU_BASE_IMAGE, with SUITE as its tag);
+#            an existing one is kept unless --force
+#   SUITE    Debian release (default: that image's tag, the release whose Python is the project's)
 #   MIRROR   Debian mirror (default http://deb.debian.org/debian; a local mirror in air-gapped
 #            sites)
 # Needs root and debootstrap (installed from Debian's packages when missing). 1-3 minutes,
@@ -13,15 +13,17 @@
 # Python and the rest.
 set -euo pipefail
 
+# shellcheck source=versions.env
+. "$(dirname "$0")/../versions.env"  # PIN_CPU_BASE_IMAGE (the one place for each)
 DOCKER=${DOCKER:-/usr/bin/docker}
-SUITE=${SUITE:-bookworm}
+SUITE=${SUITE:-${PIN_CPU_BASE_IMAGE##*:}}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 die() { echo "mkbase: error: $*" >&2; exit 1; }
 
 force=0
 if [ "${1:-}" = "--force" ]; then force=1; shift; fi
 [ $# -le 1 ] || die "usage: $0 [--force] [NAME]"
-name=${1:-dlcluster/base:$SUITE}
+name=${1:-${PIN_CPU_BASE_IMAGE%:*}:$SUITE}
 
 "$(dirname "$0")/engine.sh"
 

@@ -3,7 +3,7 @@
 Sizes come from `docker history` (each layer's own bytes); the groups follow docker/Dockerfile's
 steps. Build times come from $DLC_CACHE/image-builds.tsv, which docker/build.sh appends to: a build
 with no cached step is cold, one that reused the cache is warm. Environment: IMAGE (dlcluster:cpu),
-DOCKER (/usr/bin/docker), DLC_CACHE (~/.cache/dlcluster).
+DOCKER (/usr/bin/docker), DLC_CACHE (versions.env's default).
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainkit.versions import cache_dir  # noqa: E402
+
 DOCKER = os.environ.get("DOCKER", "/usr/bin/docker")
 IMAGE = os.environ.get("IMAGE") or "dlcluster:cpu"
-CACHE = Path(os.environ.get("DLC_CACHE", Path.home() / ".cache" / "dlcluster"))
+CACHE = cache_dir()
 
 GROUPS = [  # (name, text of the step that made the layer), in build order
     ("OS packages + Python venv", "apt-get"),

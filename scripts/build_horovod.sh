@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Horovod 0.28.1 (PyTorch + Gloo, no MPI) into a virtualenv, compiled once and cached.
+# Install Horovod (versions.env's PIN_HOROVOD; PyTorch + Gloo, no MPI) into a virtualenv, compiled once and cached.
 #
 # usage: scripts/build_horovod.sh [--wheel-only] VENV
 #   VENV          a virtualenv that already holds torch (the project's is .venv)
@@ -8,9 +8,9 @@
 #   HOROVOD_BUILD_CUDA_CC_LIST=90[,80...]  (NCCL flavour) compile for these CUDA architectures only
 #                 instead of Horovod's 12 (a quick compile check); part of the cache key
 #
-# Horovod 0.28.1 (its last release, 2023) does not build against torch 2.14 as released: its
+# Horovod's last release (2023) does not build against torch 2.14 as released: its
 # CMake files compile the PyTorch ops as C++14, but torch >= 2.1 headers need C++17 and torch
-# 2.14's need C++20 (at::symint::sizes<T> errors). patches/horovod-0.28.1-torch2.14.patch
+# 2.14's need C++20 (at::symint::sizes<T> errors). patches/horovod-<version>-torch2.14.patch
 # changes three CMake files:
 #   horovod/torch/CMakeLists.txt      torch >= 2.1: compile as C++20, mark the build as
 #                                     C++17-or-newer and link compatible17_gloo, the C++17 copy
@@ -23,14 +23,16 @@
 #                                     at "Could NOT find CUDAToolkit"; no stock variable turns
 #                                     that off.
 # A compile takes 4-15 minutes on 2 cores, so the wheel is cached under
-# ${DLC_CACHE:-~/.cache/dlcluster}/wheels/<key>/ with its build log, where the key is Horovod's
+# $DLC_CACHE/wheels/<key>/ with its build log, where the key is Horovod's
 # version + torch's version + Python's version + the patch's sha256 + the flavour; VENV/.horovod-key
 # records the key of the Horovod installed there, so a rerun with nothing changed returns at once.
 set -euo pipefail
+# shellcheck source=versions.env
+. "$(dirname "$0")/../versions.env"  # PIN_HOROVOD and its sdist's sha256 (the one place for each)
 
-HVD_VERSION=0.28.1
+HVD_VERSION=$PIN_HOROVOD
 HVD_SDIST=horovod-$HVD_VERSION.tar.gz
-HVD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
+HVD_SDIST_SHA256=$PIN_HOROVOD_SDIST_SHA256
 
 die() { echo "build_horovod: error: $*" >&2; exit 1; }
 
@@ -67,7 +69,7 @@ if [ "$flavour" = nccl ] && [ -n "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
   key=$key-cc${cc_list//,/_}
 fi
 
-cache=${DLC_CACHE:-$HOME/.cache/dlcluster}/wheels
+cache=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}/wheels
 keydir=$cache/$key
 log=$keydir/build.log
 marker=$venv/.horovod-key

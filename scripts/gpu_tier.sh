@@ -25,7 +25,8 @@ export DLC_HOME=${DLC_HOME:-/tmp/dlc-gpu-home} DLC_CACHE=${DLC_CACHE:-/tmp/dlc-g
 
 # Horovod with NCCL, built here (a wheel built elsewhere does not load against this torch)
 mkdir -p "$DLC_CACHE/wheels/src"
-cp "$dir"/horovod-0.28.1.tar.gz "$DLC_CACHE/wheels/src/"
+. ./versions.env
+cp "$dir/horovod-$PIN_HOROVOD.tar.gz" "$DLC_CACHE/wheels/src/"
 prefix=$("$py" -c 'import sys; print(sys.prefix)')
 cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 if wheel=$(HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=$cc scripts/build_horovod.sh --wheel-only "$prefix" \

@@ -4,10 +4,11 @@
 # builds it (minutes: torch alone is 5.5 GB); every later run with the same key takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ./versions.env  # DEFAULT_PYTHON, PIN_PIP, PIN_HOROVOD, ... (the one place for each)
 
-PYTHON=${PYTHON:-python3.11}
-CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
-command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11" >&2; exit 1; }
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
+command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install it or set PYTHON=/path/to/python3.X (the release versions.env names)" >&2; exit 1; }
 
 key=$("$PYTHON" scripts/envkey.py)
 venv="$CACHE/venv-$key"
@@ -17,7 +18,7 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$CACHE"
   "$PYTHON" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip==25.3
+  "$venv/bin/python" -m pip install -q --upgrade "pip==$PIN_PIP"
   reqs=$("$PYTHON" scripts/envkey.py --requirements)
   # The wheelhouse of these pins (`make wheels`, also what the image installs from), when there
   # is one: pip takes its wheels from there first (an air-gapped host can carry it over).

@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3.11}
-CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
+. ./versions.env  # DEFAULT_PYTHON, PIN_PIP, PIN_HOROVOD, ... (the one place for each)
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
 key=$({ "$PYTHON" --version; cat ansible/requirements.txt; } | sha256sum | cut -c1-16)
 venv="$CACHE/ansible-$key"
 if [ ! -f "$venv/.complete" ]; then

@@ -56,7 +56,8 @@ with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLA
 slim.replace(wheel)
 PY
 
-sdist=${DLC_CACHE:-$HOME/.cache/dlcluster}/wheels/src/horovod-0.28.1.tar.gz
+. ./versions.env
+sdist=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}/wheels/src/horovod-$PIN_HOROVOD.tar.gz
 [ -f "$sdist" ] || die "no $sdist: make setup downloads it (scripts/build_horovod.sh)"
 cp "$sdist" "$dir/"
 

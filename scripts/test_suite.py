@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from trainkit.versions import cache_dir  # noqa: E402
+
 # tier -> (make target, what it is)
 TIERS = {
     "lint": ("lint", "ruff, shellcheck, yamllint, ansible-lint"),
@@ -129,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
                     help=f"a lane: tiers run in turn; lanes run side by side. Tiers: {', '.join(TIERS)}")
-    cache = Path(os.environ.get("DLC_CACHE", Path.home() / ".cache/dlcluster"))
-    ap.add_argument("--reports", type=Path, default=cache / "test-reports",
+    ap.add_argument("--reports", type=Path, default=cache_dir() / "test-reports",
                     help="folder for each tier's JUnit XML report")
     a = ap.parse_args(argv)
     lanes = [lane.split(",") for lane in a.lanes]

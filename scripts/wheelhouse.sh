@@ -3,14 +3,14 @@
 # build installs it with no index (pip --no-index) and fetches nothing the machine already has.
 #
 # usage: scripts/wheelhouse.sh [--link DIR]
-#   prints the wheelhouse's path: ${DLC_CACHE:-~/.cache/dlcluster}/wheelhouse/<key>, where the key
+#   prints the wheelhouse's path: $DLC_CACHE/wheelhouse/<key>, where the key
 #   is the environment's (scripts/envkey.py: Python version + pins). It holds
 #     *.whl               the pins in pyproject.toml and everything they pull in, plus pip,
 #                         setuptools and wheel (pip wheel: an sdist-only package becomes a wheel);
 #     requirements.txt    what the image installs: the runtime pins, one a line;
 #     constraints.txt     every version of the project's virtualenv (pip freeze), when it exists,
 #                         so the image resolves to exactly the packages the client has;
-#     horovod-0.28.1.tar.gz  the sdist scripts/build_horovod.sh compiles (checked by its sha256);
+#     horovod-<PIN_HOROVOD>.tar.gz  the sdist scripts/build_horovod.sh compiles (checked by its sha256);
 #     torch/              hard links to torch, torchvision, their dependencies, pip, setuptools and
 #                         wheel, with a requirements.txt pinning each (the image's first layer).
 #     tf/                 with --tf-cuda only: TensorFlow's own environment for the GPU image, the
@@ -26,9 +26,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3.11}
-CACHE=${DLC_CACHE:-$HOME/.cache/dlcluster}
-HVD_SDIST=horovod-0.28.1.tar.gz
+. ./versions.env  # DEFAULT_PYTHON, PIN_PIP, PIN_HOROVOD, ... (the one place for each)
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
+HVD_SDIST=horovod-$PIN_HOROVOD.tar.gz
 die() { echo "wheelhouse: error: $*" >&2; exit 1; }
 
 usage="usage: $0 [--tf-cuda] [--link DIR]"
@@ -40,7 +41,7 @@ while [ $# -gt 0 ]; do
     *) die "$usage" ;;
   esac
 done
-command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install it or set PYTHON=/path/to/python3.X (the release versions.env names)"
 
 key=$("$PYTHON" scripts/envkey.py)
 house=$CACHE/wheelhouse/$key
@@ -64,20 +65,20 @@ EOF
     : >"$house/constraints.txt"
   fi
   "$PYTHON" -m pip wheel --progress-bar off -q -w "$house" -r "$house/requirements.txt" \
-    -c "$house/constraints.txt" pip==25.3 "setuptools>=68" wheel >"$house/pip.log" 2>&1 \
+    -c "$house/constraints.txt" "pip==$PIN_PIP" "setuptools>=68" wheel >"$house/pip.log" 2>&1 \
     || die "pip wheel failed; log: $house/pip.log"
   # the Horovod sdist: build_horovod.sh's cached copy, else the package index
   src=$CACHE/wheels/src/$HVD_SDIST
   if [ -f "$src" ]; then cp "$src" "$house/"; else
-    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$house" horovod==0.28.1 >>"$house/pip.log" 2>&1 \
-      || die "pip download horovod==0.28.1 failed; log: $house/pip.log"
+    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$house" "horovod==$PIN_HOROVOD" >>"$house/pip.log" 2>&1 \
+      || die "pip download horovod==$PIN_HOROVOD failed; log: $house/pip.log"
   fi
   # torch/: torch + torchvision, what they pull in and the packaging tools, fully pinned. The image
   # installs this first and compiles Horovod against it alone, so changing any other pin reuses
   # both layers. (pip download copies; the copies are then swapped for hard links.)
   grep -E '^(torch|torchvision)==' "$house/requirements.txt" >"$house/torch.in"
   "$PYTHON" -m pip download -q --no-index --find-links "$house" -c "$house/constraints.txt" -d "$house/torch" \
-    -r "$house/torch.in" pip==25.3 "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
+    -r "$house/torch.in" "pip==$PIN_PIP" "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
     || die "pip download of the torch subset failed; log: $house/pip.log"
   for f in "$house"/torch/*.whl; do
     ln -f "$house/${f##*/}" "$f"
@@ -98,7 +99,7 @@ if [ "$tf_cuda" = 1 ] && [ ! -f "$house/tf/.complete" ]; then
     sed -n 's/^tensorflow==/tensorflow[and-cuda]==/p' "$house/requirements.txt"; } >"$house/tf/requirements.in"
   # the CUDA 12 wheels come from the package index; the rest are the house's own files
   "$PYTHON" -m pip download -q --find-links "$house" -c "$house/constraints.txt" -d "$house/tf" \
-    -r "$house/tf/requirements.in" pip==25.3 "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
+    -r "$house/tf/requirements.in" "pip==$PIN_PIP" "setuptools>=68" wheel >>"$house/pip.log" 2>&1 \
     || die "pip download of TensorFlow's CUDA 12 environment failed; log: $house/pip.log"
   for f in "$house"/tf/*.whl; do
     n=${f##*/}

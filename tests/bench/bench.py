@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit import launch, record
+from trainkit import launch, record, versions
 from trainkit.errors import UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,7 +235,7 @@ def plot_site() -> Path:
     (only the benchmark plots): installed once under $DLC_CACHE, keyed by those pins."""
     reqs = Path(__file__).with_name("requirements.txt")
     key = hashlib.sha256(reqs.read_bytes() + sys.version.encode()).hexdigest()[:16]
-    site = Path(os.environ.get("DLC_CACHE", "~/.cache/dlcluster")).expanduser() / f"bench-plot-{key}"
+    site = versions.cache_dir() / f"bench-plot-{key}"
     if not (site / ".complete").exists():
         tmp = Path(tempfile.mkdtemp(prefix=site.name, dir=site.parent if site.parent.exists() else None))
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),

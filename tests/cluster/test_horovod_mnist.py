@@ -10,6 +10,8 @@ import torch
 from conftest import BIN, REPO, ray_noise, read_manifest
 from horovod_mnist import Net
 
+from trainkit import versions
+
 JOB = "horovod_mnist"
 
 
@@ -19,7 +21,7 @@ def check_model(out, world):
     assert len(m["replica_digests"]) == world and len(set(m["replica_digests"])) == 1
     assert m["parity"]["max_abs_diff"] <= 1e-4
     assert m["inputs"][0]["shape"] == ["batch", 1, 28, 28] and m["outputs"][0]["shape"] == ["batch", 10]
-    assert m["versions"]["horovod"] == "0.28.1"
+    assert m["versions"]["horovod"] == versions.values()["PIN_HOROVOD"]
     assert m["metrics"]["world_size"] == world and m["metrics"]["epoch"] == 1
     # 1500 training digits over 2 ranks in batches of 64: 12 iterations each; 297 test digits: 3
     assert (m["metrics"]["train_iters"], m["metrics"]["val_iters"]) == (12, 3)

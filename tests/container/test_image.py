@@ -19,10 +19,13 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from trainkit import versions
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = os.environ.get("DOCKER", "/usr/bin/docker")
@@ -100,7 +103,7 @@ def test_imports_and_pinned_versions(image):
     assert got["dists"] == want  # every pin of pyproject.toml, exactly
     assert got["ray"] == metadata.version("ray") == "2.60.0"
     assert got["python"].split(".")[:2] == platform.python_version().split(".")[:2]
-    assert got["horovod"] == "0.28.1" and got["torch"].startswith(want["torch"])
+    assert got["horovod"] == versions.values()["PIN_HOROVOD"] and got["torch"].startswith(want["torch"])
     assert got["uid"] != 0, "the image must run as a non-root user"
 
 
@@ -137,19 +140,26 @@ def release(os_release: str) -> str:
     return " ".join(fields.get(k, "").strip('"') for k in ("ID", "VERSION_ID"))
 
 
-def test_the_cpu_image_uses_the_horovod_compiled_here(image):
-    """The host runs the CPU base's release: the builder stage took the wheel build_horovod.sh
-    compiled for this host's virtualenv (docker/build.sh's .prebuilt/) instead of compiling its own,
-    byte for byte, and the checks above and below run it."""
-    base = sh(DOCKER, "run", "--rm", "--network", "none", "--entrypoint", "cat", "dlcluster/base:bookworm",
-              "/etc/os-release")
+def skip_unless_the_host_runs_the_bases_release() -> None:
+    base = sh(DOCKER, "run", "--rm", "--network", "none", "--entrypoint", "cat",
+              versions.values()["PIN_CPU_BASE_IMAGE"], "/etc/os-release")
     assert base.returncode == 0, base.stdout
     here = release(Path("/etc/os-release").read_text())
     if release(base.stdout) != here:
         pytest.skip(f"this host runs {here}, the CPU base {release(base.stdout)}: the image compiles its own")
-    lib = "horovod/torch/mpi_lib_v2.cpython-311-x86_64-linux-gnu.so"
-    ours = hashlib.sha256((REPO / ".venv/lib/python3.11/site-packages" / lib).read_bytes()).hexdigest()
-    proc = in_image("sha256sum", f"/opt/venv/lib/python3.11/site-packages/{lib}")
+
+
+HOROVOD_LIB = f"horovod/torch/mpi_lib_v2.{sys.implementation.cache_tag}-x86_64-linux-gnu.so"
+SITE = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+
+
+def test_the_cpu_image_uses_the_horovod_compiled_here(image):
+    """The host runs the CPU base's release: the builder stage took the wheel build_horovod.sh
+    compiled for this host's virtualenv (docker/build.sh's .prebuilt/) instead of compiling its own,
+    byte for byte, and the checks above and below run it."""
+    skip_unless_the_host_runs_the_bases_release()
+    ours = hashlib.sha256((REPO / ".venv" / SITE / HOROVOD_LIB).read_bytes()).hexdigest()
+    proc = in_image("sha256sum", f"/opt/venv/{SITE}/{HOROVOD_LIB}")
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert proc.stdout.split()[0] == ours
 
@@ -241,6 +251,19 @@ def test_gpu_image_path_compiles_horovod_with_nccl(gpu_image):
     assert proc.returncode == 0, proc.stdout[-3000:]
     nccl, cuda, gloo = proc.stdout.strip().splitlines()[-1].split()
     assert int(nccl) > 0 and cuda == "True" and gloo == "True"
+
+
+def test_the_gpu_standin_uses_the_nccl_horovod_compiled_here(gpu_image):
+    """The stand-in base carries this host's CUDA toolkit: docker/build.sh compiled the NCCL flavour
+    on the host, once per key (a purged image store does not compile it again), and the builder
+    stage took that wheel, byte for byte; the test above runs it."""
+    skip_unless_the_host_runs_the_bases_release()
+    wheels = sorted(versions.cache_dir().glob("wheels/horovod-*-nccl-cc90/horovod-*.whl"))
+    assert len(wheels) == 1, wheels
+    ours = hashlib.sha256(zipfile.ZipFile(wheels[0]).read(HOROVOD_LIB)).hexdigest()
+    proc = in_gpu_image(gpu_image, "sha256sum", f"/opt/venv/{SITE}/{HOROVOD_LIB}")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.stdout.split()[0] == ours
 
 
 # Which CUDA libraries an environment's nvidia-* wheels hold, loaded the way the framework's loader

@@ -27,6 +27,7 @@
 # no sudo: a jump host only). A gateway (public .20, same logins) stands in for an outer hop.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. ./versions.env  # PIN_CPU_BASE_IMAGE (the one place for each)
 
 DOCKER=${DOCKER:-/usr/bin/docker}
 export DOCKER_BUILDKIT=1
@@ -93,7 +94,7 @@ up() {
   "$DOCKER" image inspect dlcluster:cpu >/dev/null 2>&1 \
     || die "no dlcluster:cpu image for the nodes: run make image first"
   say "building the server images (bastion: bare Debian; nodes: the project's image + sshd)"
-  "$DOCKER" build -q -t "$BASTION_IMAGE" --build-arg BASE=dlcluster/base:bookworm tests/emulated >/dev/null
+  "$DOCKER" build -q -t "$BASTION_IMAGE" --build-arg BASE="$PIN_CPU_BASE_IMAGE" tests/emulated >/dev/null
   "$DOCKER" build -q -t "$NODE_IMAGE" --build-arg BASE=dlcluster:cpu tests/emulated >/dev/null
 
   mkdir -p "$KEYDIR" && chmod 700 "$KEYDIR"
