@@ -1,8 +1,9 @@
-"""make smoke end to end on the 2-node fixture cluster: the description `up` wrote, the nodes and
-all-reduce steps through the job API, the JSON report, and a description the cluster does not
-match. Its trainers step (the three jobs, one tiny epoch each, models verified on the cluster) is
-asserted in the emulated tier's smoke run, across 3 nodes; this tier's own job tests train the
-same jobs on this cluster."""
+"""make smoke end to end on the 2-node fixture cluster: the cluster record `up` wrote, the nodes
+and all-reduce steps (the pytest suite ray/smoke_suite, run by ray/smoke.py) through the job API,
+the JSON report, the printed lines, and a cluster record the cluster does not match. Its trainers
+step (the three jobs, one tiny epoch each, models verified on the cluster) is asserted in the
+emulated tier's smoke run, across 3 nodes; this tier's own job tests train the same jobs on this
+cluster."""
 
 import json
 import os
@@ -55,6 +56,14 @@ def test_every_step_passes(run):
     for name in ("nodes", "allreduce"):
         assert any(line.split()[:2] == ["PASS", name] for line in proc.stdout.splitlines())
     assert "smoke: PASS: 2 passed, 0 failed, 0 skipped" in proc.stdout
+    lines = proc.stdout.splitlines()
+    # progress as it happens: each step starts with its limit, submits its job, ends with its verdict
+    for name, limit in (("nodes", 180), ("allreduce", 600)):
+        assert f"[smoke] {name}: starting (limit {limit} s)" in lines
+        assert any(line.startswith(f"[smoke] {name}: submitting python ray/smoke_checks.py {name}")
+                   for line in lines)
+        assert any(line.split()[:3] == ["[smoke]", "PASS", name] for line in lines)
+    assert lines[-1].startswith("smoke: PASS: 2 passed, 0 failed, 0 skipped in ")
 
 
 def test_nodes(run):
@@ -85,15 +94,15 @@ def test_allreduce(run):
     assert ["4194304", "1048576", "float", "sum"] in [cols[:4] for cols in table]
 
 
-def test_a_third_described_node_fails_the_nodes_step(cluster, tmp_path):
-    desc = json.loads((cluster.config / "cluster.json").read_text())
-    desc["nodes"].append({"name": "node2", "ip": None, "role": "worker", "cpus": 1, "gpus": 0})
+def test_a_third_node_in_the_record_fails_the_nodes_step(cluster, tmp_path):
+    rec = json.loads((cluster.config / "cluster.json").read_text())
+    rec["nodes"].append({"name": "node2", "ip": None, "role": "worker", "cpus": 1, "gpus": 0})
     config = tmp_path / "cluster.json"
-    config.write_text(json.dumps(desc))
+    config.write_text(json.dumps(rec))
     report = tmp_path / "report.json"
     proc = smoke(cluster, "--config", str(config), "--only", "nodes", "--json", str(report), timeout=300)
     assert proc.returncode == 1
     step = json.loads(report.read_text())["steps"][0]
     assert not step["ok"] and not json.loads(report.read_text())["ok"]
-    assert "2 Ray node(s) alive, the description lists 3" in step["details"]["error"]
+    assert "2 Ray node(s) alive, the cluster record lists 3" in step["details"]["error"]
     assert any(line.split()[:2] == ["FAIL", "nodes"] for line in proc.stdout.splitlines())

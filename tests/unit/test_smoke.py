@@ -1,5 +1,7 @@
-"""make smoke without a cluster: the bandwidth arithmetic, the cluster description, node matching,
-the trainers' flags, the report and summary, and the proxyjump decisions (loopback only)."""
+"""make smoke without a cluster: the bandwidth arithmetic, the command line and the cluster record
+(bad input is one line and exit 2 before any step), node matching, the trainers' flags, the
+proxyjump decisions (loopback only), and the report plugin in a real pytest run of a small fake
+suite (a pass, a failure, a crash, a skip): its lines, report, summary, selection and limits."""
 
 import json
 import os
@@ -21,6 +23,8 @@ sys.path.insert(0, str(REPO / "ray"))
 import local_cluster  # noqa: E402
 import smoke  # noqa: E402
 import smoke_checks  # noqa: E402
+from smoke_suite import lib  # noqa: E402
+from smoke_suite import report as smoke_report  # noqa: E402
 
 
 def local_desc(nodes=2, cpus=1, **changes) -> dict:
@@ -70,12 +74,44 @@ def test_sizes_from_flags():
     assert smoke.parse_args(["--only", "trainers, nodes"]).steps == ["trainers", "nodes"]
 
 
+def args(*argv):
+    return smoke.parse_args(list(argv))
+
+
+def test_flags_and_their_defaults():
+    a = args()
+    assert a.steps == list(lib.STEPS) == ["nodes", "allreduce", "trainers", "proxyjump"]
+    assert (a.config, a.json, a.storage_path, a.models_dir, a.clean, a.timeout_factor) == \
+        (None, None, None, None, False, 1.0)
+    a = args("--config", "/c/cluster.json", "--json", "/r.json", "--storage-path", "/s", "--models-dir",
+             "/m", "--clean", "--timeout-factor", "2.5", "--only", "proxyjump")
+    assert (a.config, a.json, a.storage_path, a.models_dir, a.clean, a.timeout_factor, a.steps) == \
+        ("/c/cluster.json", "/r.json", "/s", "/m", True, 2.5, ["proxyjump"])
+    with pytest.raises(UserError, match="--timeout-factor 0.0 must be above 0"):
+        args("--timeout-factor", "0")
+    with pytest.raises(UserError, match=r"unknown step\(s\) \(none given\)"):
+        args("--only", ",")
+
+
+def test_reading_the_record(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(local_desc()))
+    d = smoke.load_record(path)
+    assert (d["name"], d["kind"], len(d["nodes"]), d["job_api"]) == ("local", "local", 2, "http://127.0.0.1:8265")
+    path.write_text("{")
+    with pytest.raises(UserError, match="cannot read the cluster record"):
+        smoke.load_record(path)
+    path.write_text(json.dumps({**local_desc(), "nodes": "two"}))
+    with pytest.raises(UserError, match="bad cluster record"):
+        smoke.load_record(path)
+
+
 def test_token_must_exist(tmp_path):
     d = local_desc(token_path=str(tmp_path / "ray_token"))
     with pytest.raises(UserError, match="does not exist; run make cluster-up first"):
-        smoke.check_token(d, tmp_path / "cluster.json")
+        lib.check_token(d, tmp_path / "cluster.json")
     (tmp_path / "ray_token").write_text("x")
-    smoke.check_token(d, tmp_path / "cluster.json")
+    lib.check_token(d, tmp_path / "cluster.json")
 
 
 def test_local_cluster_record_lifecycle(tmp_path, monkeypatch):
@@ -103,51 +139,51 @@ def ray_node(cpus, gpus, ip="192.0.2.2", head=False, **more):
 
 def test_local_nodes_match_as_multisets():
     actual = [ray_node(1, 0, head=True), ray_node(1, 0)]
-    assert smoke.match_nodes(local_desc()["nodes"], actual) == []
+    assert lib.match_nodes(local_desc()["nodes"], actual) == []
 
 
 def test_three_described_two_alive():
-    problems = smoke.match_nodes(local_desc(nodes=3)["nodes"], [ray_node(1, 0, head=True), ray_node(1, 0)])
-    assert problems == ["2 Ray node(s) alive, the description lists 3",
-                        "1 node(s) with 1 CPU(s) and 0 GPU(s) described but not found"]
+    problems = lib.match_nodes(local_desc(nodes=3)["nodes"], [ray_node(1, 0, head=True), ray_node(1, 0)])
+    assert problems == ["2 Ray node(s) alive, the cluster record lists 3",
+                        "1 node(s) with 1 CPU(s) and 0 GPU(s) in the cluster record but not found"]
 
 
 def test_resources_differ_without_ips():
-    problems = smoke.match_nodes(local_desc()["nodes"], [ray_node(1, 0, head=True), ray_node(2, 0)])
-    assert "1 node(s) with 1 CPU(s) and 0 GPU(s) described but not found" in problems
-    assert "1 Ray node(s) with 2 CPU(s) and 0 GPU(s) not in the description (at 192.0.2.2)" in problems
+    problems = lib.match_nodes(local_desc()["nodes"], [ray_node(1, 0, head=True), ray_node(2, 0)])
+    assert "1 node(s) with 1 CPU(s) and 0 GPU(s) in the cluster record but not found" in problems
+    assert "1 Ray node(s) with 2 CPU(s) and 0 GPU(s) not in the cluster record (at 192.0.2.2)" in problems
 
 
 def test_nodes_matched_by_ip():
     expected = remote_desc()["nodes"]
     actual = [ray_node(8, 1, "172.31.251.11", head=True), ray_node(8, 1, "172.31.251.12"),
               ray_node(16, 2, "172.31.251.13")]
-    assert smoke.match_nodes(expected, actual) == []
+    assert lib.match_nodes(expected, actual) == []
     actual[2] = ray_node(16, 1, "172.31.251.13")  # a GPU missing
-    assert smoke.match_nodes(expected, actual) == [
-        "node node-3 (172.31.251.13) offers 16 CPU(s) and 1 GPU(s), the description says 16 and 2"]
+    assert lib.match_nodes(expected, actual) == [
+        "node node-3 (172.31.251.13) offers 16 CPU(s) and 1 GPU(s), the cluster record says 16 and 2"]
     actual[2] = ray_node(16, 2, "172.31.251.99")  # another machine joined instead
-    assert smoke.match_nodes(expected, actual) == [
+    assert lib.match_nodes(expected, actual) == [
         "node node-3 (172.31.251.13) has not joined",
-        "1 Ray node(s) with 16 CPU(s) and 2 GPU(s) not in the description (at 172.31.251.99)"]
+        "1 Ray node(s) with 16 CPU(s) and 2 GPU(s) not in the cluster record (at 172.31.251.99)"]
 
 
 def test_head_must_be_the_described_one():
     expected = remote_desc()["nodes"]
     actual = [ray_node(8, 1, "172.31.251.11"), ray_node(8, 1, "172.31.251.12", head=True),
               ray_node(16, 2, "172.31.251.13")]
-    problems = smoke.match_nodes(expected, actual)
-    assert "node node-1 (172.31.251.11) is not the Ray head, the description says head" in problems
-    assert "node node-2 (172.31.251.12) is the Ray head, the description says worker" in problems
+    problems = lib.match_nodes(expected, actual)
+    assert "node node-1 (172.31.251.11) is not the Ray head, the cluster record says head" in problems
+    assert "node node-2 (172.31.251.12) is the Ray head, the cluster record says worker" in problems
 
 
 def test_agents_and_pinned_tasks():
     nodes = [ray_node(1, 0, head=True), ray_node(1, 0, agent=False, task=None)]
-    problems = smoke.node_problems({"nodes": nodes, "probe_timeout_s": 60}, local_desc()["nodes"])
+    problems = lib.node_problems({"nodes": nodes, "probe_timeout_s": 60}, local_desc()["nodes"])
     assert any("dashboard agent has not registered" in p for p in problems)
     assert any("did not finish within 60 s" in p for p in problems)
     nodes[1].update(agent=True, task={"error": "RuntimeError: boom"})
-    problems = smoke.node_problems({"nodes": nodes}, local_desc()["nodes"])
+    problems = lib.node_problems({"nodes": nodes}, local_desc()["nodes"])
     assert problems[0].endswith("a task pinned to it failed: RuntimeError: boom")
 
 
@@ -157,12 +193,12 @@ def test_trainer_flags_give_every_worker_a_whole_batch(workers):
     def flag(args, name):
         return int(args[args.index(name) + 1])
 
-    ae = smoke.trainer_args("ddp_autoencoder", workers, False)
+    ae = lib.trainer_args("ddp_autoencoder", workers, False)
     train, _ = data.split_indices(flag(ae, "--limit"), 0.1)
     check_batch(flag(ae, "--batch-size"), len(train), workers)
-    hvd = smoke.trainer_args("horovod_mnist", workers, False)
+    hvd = lib.trainer_args("horovod_mnist", workers, False)
     check_batch(flag(hvd, "--batch-size"), mnist.BUILTIN_TRAIN, workers)
-    tf = smoke.trainer_args("tf_cnn", workers, True)
+    tf = lib.trainer_args("tf_cnn", workers, True)
     train, val = data.split_indices(2 * flag(tf, "--per-class"), 0.2)
     check_batch(flag(tf, "--batch-size"), len(train), workers)
     assert len(val) >= workers  # the tf job's own check
@@ -180,39 +216,12 @@ def test_model_paths_and_payload_from_logs():
         "------------------------------------------",
         "Job 'x' succeeded",
     ])
-    assert smoke.parse_payload(logs) == {"a": 2}
-    assert smoke.parse_payload("SMOKE_JSON {broken") is None
-    assert smoke.parse_payload("") is None
+    assert lib.parse_payload(logs) == {"a": 2}
+    assert lib.parse_payload("SMOKE_JSON {broken") is None
+    assert lib.parse_payload("") is None
 
 
-# ------------------------------------------------------------------ steps, report, summary
-def args(*argv):
-    return smoke.parse_args(list(argv))
-
-
-def test_run_step_results():
-    ctx = smoke.Context(local_desc(), args(), None)
-
-    def fails(_):
-        raise smoke.StepFailed("2 wrong elements", log_tail=["a", "b"])
-
-    def crashes(_):
-        raise KeyError("rows")
-
-    def skips(_):
-        raise smoke.StepSkipped("nothing to do")
-
-    ok = smoke.run_step("nodes", ctx, lambda c: {"alive": 2, "expected": 2, "agents": 2, "cpus": [1, 1],
-                                                 "gpus": [0, 0]})
-    assert ok["ok"] and not ok["skipped"] and set(ok) == {"name", "ok", "skipped", "seconds", "details"}
-    failed = smoke.run_step("allreduce", ctx, fails)
-    assert not failed["ok"] and failed["details"] == {"error": "2 wrong elements", "log_tail": ["a", "b"]}
-    crashed = smoke.run_step("trainers", ctx, crashes)
-    assert not crashed["ok"] and crashed["details"]["error"] == "KeyError: 'rows'"
-    skipped = smoke.run_step("proxyjump", ctx, skips)
-    assert skipped["skipped"] and not skipped["ok"] and skipped["details"] == {"reason": "nothing to do"}
-
-
+# ------------------------------------------------------------------ report and summary
 def allreduce_result(n=2):
     rows = []
     for size in (2**20, 2**28):
@@ -236,13 +245,13 @@ def test_report_and_summary():
     ]
     import datetime as dt
 
-    report = smoke.build_report(local_desc(), Path("/c/cluster.json"), steps,
+    report = smoke_report.build_report(local_desc(), Path("/c/cluster.json"), steps,
                                 dt.datetime(2026, 1, 1, tzinfo=dt.UTC), 115.04)
     assert (report["ok"], report["passed"], report["failed"], report["skipped"]) == (False, 2, 1, 1)
     assert report["cluster"] == "local" and report["seconds"] == 115.0 and report["nodes"] == 2
     assert [s["name"] for s in report["steps"]] == ["nodes", "allreduce", "trainers", "proxyjump"]
     json.dumps(report)  # serialisable as it is
-    lines = smoke.summary(report, Path("/c/smoke/local.json"))
+    lines = smoke_report.summary(report, Path("/c/smoke/local.json"))
     assert lines[1].split()[:2] == ["PASS", "nodes"] and "2/2 nodes alive" in lines[1]
     assert lines[2].split()[:2] == ["PASS", "allreduce"] and "256 MiB" in lines[2]
     assert lines[3].split()[:2] == ["FAIL", "trainers"] and "tf_cnn: failed" in lines[3]
@@ -252,17 +261,18 @@ def test_report_and_summary():
     assert [float(v) for v in table[1].split()[5:8]] == pytest.approx([1.0, 1.0, 0])  # algbw busbw #wrong
     assert lines[-1] == "smoke: FAIL: 2 passed, 1 failed, 1 skipped in 115 s; report /c/smoke/local.json"
     steps[2] = {**steps[2], "ok": False, "skipped": True}
-    assert smoke.build_report(local_desc(), Path("x"), steps, dt.datetime.now(dt.UTC), 1)["ok"]
+    assert smoke_report.build_report(local_desc(), Path("x"), steps, dt.datetime.now(dt.UTC), 1)["ok"]
 
 
 # ------------------------------------------------------------------ proxyjump
 def test_proxyjump_skipped_without_bastion():
-    assert "no ssh_config and bastion (kind local)" in smoke.proxyjump_skip_reason(local_desc())
+    assert "the cluster record has no ssh_config and bastion (kind local)" in \
+        lib.proxyjump_skip_reason(local_desc())
     d = remote_desc()
-    assert smoke.proxyjump_skip_reason(d) is None
+    assert lib.proxyjump_skip_reason(d) is None
     for n in d["nodes"]:
         n["ip"] = None
-    assert "no node in the description has an ip" in smoke.proxyjump_skip_reason(d)
+    assert "no node in the cluster record has an ip" in lib.proxyjump_skip_reason(d)
 
 
 @pytest.fixture
@@ -280,8 +290,8 @@ def closed_port() -> int:
 
 
 def test_direct_tcp(listener):
-    assert smoke.direct_tcp("127.0.0.1", listener, 3) == (True, "connected")
-    connected, how = smoke.direct_tcp("127.0.0.1", closed_port(), 3)
+    assert lib.direct_tcp("127.0.0.1", listener, 3) == (True, "connected")
+    connected, how = lib.direct_tcp("127.0.0.1", closed_port(), 3)
     assert not connected and "refused" in how.lower()
 
 
@@ -305,12 +315,12 @@ needs_ssh = pytest.mark.skipif(not shutil.which("ssh"), reason="no ssh client (s
 
 @needs_ssh
 def test_ssh_route_reads_the_config_without_connecting(ssh_config):
-    assert smoke.ssh_route(ssh_config, "node-1", "bastion")[0]
-    ok, info = smoke.ssh_route(ssh_config, "node-2", "bastion")
+    assert lib.ssh_route(ssh_config, "node-1", "bastion")[0]
+    ok, info = lib.ssh_route(ssh_config, "node-2", "bastion")
     assert ok and info["hostname"] == "172.31.251.12"
-    assert smoke.ssh_route(ssh_config, "node-3", "bastion")[0]
-    assert not smoke.ssh_route(ssh_config, "node-4", "bastion")[0]  # straight to the node
-    assert not smoke.ssh_route(ssh_config, "node-5", "bastion")[0]  # through another host
+    assert lib.ssh_route(ssh_config, "node-3", "bastion")[0]
+    assert not lib.ssh_route(ssh_config, "node-4", "bastion")[0]  # straight to the node
+    assert not lib.ssh_route(ssh_config, "node-5", "bastion")[0]  # through another host
 
 
 @pytest.fixture
@@ -327,8 +337,8 @@ def fake_ssh(tmp_path):
 @needs_ssh
 def test_node_behind_the_bastion_passes(ssh_config, fake_ssh, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
-    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
-                                   port=closed_port(), ssh=fake_ssh)
+    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                 port=closed_port(), ssh=fake_ssh)
     assert r["ok"], r["problems"]
     assert not r["direct"]["connected"] and r["ssh"] == {"ok": True, "output": "node-1"}
 
@@ -336,8 +346,8 @@ def test_node_behind_the_bastion_passes(ssh_config, fake_ssh, monkeypatch):
 @needs_ssh
 def test_node_reachable_directly_fails(ssh_config, fake_ssh, listener, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
-    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
-                                   port=listener, ssh=fake_ssh)
+    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                 port=listener, ssh=fake_ssh)
     assert not r["ok"]
     assert r["problems"] == [f"127.0.0.1:{listener} accepts a direct connection from here: the bastion "
                              f"is not the only way in"]
@@ -346,8 +356,8 @@ def test_node_reachable_directly_fails(ssh_config, fake_ssh, listener, monkeypat
 @needs_ssh
 def test_ssh_through_the_bastion_must_work(ssh_config, fake_ssh, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_RC", "255")
-    r = smoke.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
-                                   port=closed_port(), ssh=fake_ssh)
+    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                 port=closed_port(), ssh=fake_ssh)
     assert not r["ok"] and len(r["problems"]) == 1
     assert "-o BatchMode=yes -o ConnectTimeout=15 node-1 hostname` failed" in r["problems"][0]
 
@@ -355,12 +365,12 @@ def test_ssh_through_the_bastion_must_work(ssh_config, fake_ssh, monkeypatch):
 @needs_ssh
 def test_node_not_routed_through_the_bastion_fails(ssh_config, fake_ssh):
     # The configs' 172.31.x addresses are only read (ssh -G); every connection goes to loopback.
-    r = smoke.check_node_proxyjump({"name": "node-4", "ip": "127.0.0.1"}, ssh_config, "bastion",
-                                   port=closed_port(), ssh=fake_ssh)
+    r = lib.check_node_proxyjump({"name": "node-4", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                 port=closed_port(), ssh=fake_ssh)
     assert any("does not send node-4 through bastion" in p for p in r["problems"])
-    r = smoke.check_node_proxyjump({"name": "node-2", "ip": "127.0.0.1"}, ssh_config, "bastion",
-                                   port=closed_port(), ssh=fake_ssh)
-    assert "sends node-2 to 172.31.251.12, the description says 127.0.0.1" in " ".join(r["problems"])
+    r = lib.check_node_proxyjump({"name": "node-2", "ip": "127.0.0.1"}, ssh_config, "bastion",
+                                 port=closed_port(), ssh=fake_ssh)
+    assert "sends node-2 to 172.31.251.12, the cluster record says 127.0.0.1" in " ".join(r["problems"])
 
 
 # ------------------------------------------------------------------ the command line
@@ -370,11 +380,44 @@ def run_smoke(tmp_path, *argv):
                           capture_output=True, text=True, timeout=120)
 
 
+def nothing_ran(proc, tmp_path) -> bool:
+    """No step started: no progress line, no report."""
+    return proc.stdout == "" and not (tmp_path / "smoke").exists()
+
+
 def test_no_record_is_one_line_and_exit_2(tmp_path):
     proc = run_smoke(tmp_path)
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and nothing_ran(proc, tmp_path)
     assert proc.stderr.strip() == (f"smoke: error: no cluster record at {tmp_path / 'cluster.json'}: "
                                    f"no cluster is up from here; run make cluster-up first")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--only", "nodes,gpus"], "smoke: error: --only 'nodes,gpus': unknown step(s) gpus; use some of "
+                               "nodes,allreduce,trainers,proxyjump"),
+    (["--sizes", "big"], "smoke: error: --sizes 'big' must be numbers of MiB, e.g. 1,4,16"),
+    (["--max-mib", "0.1"], "smoke: error: no all-reduce size left from --sizes 1,4,16,64,256 with "
+                           "--max-mib 0.1; raise --max-mib"),
+    (["--timeout-factor", "-1"], "smoke: error: --timeout-factor -1.0 must be above 0"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, argv, says):
+    proc = run_smoke(tmp_path, *argv)
+    assert (proc.returncode, proc.stderr.strip()) == (2, says) and nothing_ran(proc, tmp_path)
+
+
+def test_a_bad_record_or_token_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "cluster.json").write_text("{")
+    proc = run_smoke(tmp_path)
+    assert proc.returncode == 2 and nothing_ran(proc, tmp_path)
+    assert proc.stderr.startswith(f"smoke: error: cannot read the cluster record {tmp_path / 'cluster.json'}")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    d = local_desc(token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    proc = run_smoke(tmp_path)
+    assert proc.returncode == 2 and nothing_ran(proc, tmp_path)
+    assert proc.stderr.strip() == (f"smoke: error: the Ray token {tmp_path / 'ray_token'} (token_path in "
+                                   f"{tmp_path / 'cluster.json'}) does not exist; run make cluster-up "
+                                   f"first, or fix token_path")
 
 
 def test_no_job_api_is_one_line_and_exit_2(tmp_path):
@@ -385,6 +428,7 @@ def test_no_job_api_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"nothing answers on the job API {d['job_api']}" in proc.stderr
     assert "run make cluster-up first" in proc.stderr
+    assert nothing_ran(proc, tmp_path)
 
 
 def test_proxyjump_alone_needs_no_job_api_and_reports(tmp_path):
@@ -398,18 +442,21 @@ def test_proxyjump_alone_needs_no_job_api_and_reports(tmp_path):
     report = json.loads(reports[0].read_text())
     assert report["ok"] and report["skipped"] == 1 and report["steps"][0]["skipped"]
     assert "SKIP proxyjump" in proc.stdout and f"report {reports[0]}" in proc.stdout
+    assert any(line.split()[:3] == ["[smoke]", "SKIP", "proxyjump"] and "s  the cluster record has no "
+               "ssh_config and bastion (kind local)" in line for line in proc.stdout.splitlines())
+    assert proc.stdout.splitlines()[-1].startswith("smoke: PASS: 0 passed, 0 failed, 1 skipped in ")
 
 
 def test_a_head_without_cpus_takes_no_worker():
     d = remote_desc()
     d["nodes"][0]["cpus"] = 0
-    ctx = smoke.Context(d, args(), None)
+    ctx = lib.Context(d, args(), None)
     assert (ctx.workers, ctx.left_out, ctx.use_gpu) == (2, ["node-1"], True)
     d["nodes"][2]["gpus"] = 0
     assert not ctx.use_gpu  # NCCL only when every worker node has a GPU
     for n in d["nodes"]:
         n["cpus"] = 0
-    with pytest.raises(smoke.StepFailed, match="no node in the description offers a CPU"):
+    with pytest.raises(pytest.fail.Exception, match="no node in the cluster record offers a CPU"):
         ctx.need_workers()
 
 
@@ -436,3 +483,118 @@ def test_clean_removes_a_smoke_runs_model_folder_and_run_folder(tmp_path):
     assert out["ok"], out["problems"]
     assert sorted(out["removed"]) == sorted([str(output), str(storage / name)])
     assert not output.exists() and not (storage / name).exists() and (storage / "other-run").exists()
+
+
+# ------------------------------------------------------------------ the report plugin, in a real pytest run
+FAKE_SUITE = """
+import pytest
+
+
+def test_nodes(details):
+    details.update(alive=2, expected=2, agents=2, cpus=[1, 1], gpus=[0, 0])
+    print("nodes: working")
+
+
+def test_allreduce(details, request):
+    details["limit"] = request.node.get_closest_marker("timeout").args[0]
+    details["log_tail"] = ["a", "b"]
+    pytest.fail("2 wrong elements")
+
+
+def test_trainers(details):
+    details["jobs"] = {}
+    raise KeyError("rows")
+
+
+def test_proxyjump(details):
+    details["never"] = "kept"
+    pytest.skip("nothing to do")
+"""
+
+
+def fake_run(tmp_path, capsys, steps=None, suite=FAKE_SUITE, name="test_fake_steps"):
+    """ray/smoke.py's run_suite on a fake suite: (pytest's exit code, the plugin, stdout lines)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(suite)
+    plugin = smoke_report.SmokeReport(local_desc(), Path("/c/cluster.json"), tmp_path / "out" / "report.json",
+                                steps=steps, limits={"nodes": 10, "allreduce": 20}, hard_after=5)
+    code = smoke.run_suite(lib.Context(local_desc(), args(), None), plugin, suite=path)
+    return code, plugin, capsys.readouterr().out.splitlines()
+
+
+def test_the_plugin_turns_a_pytest_run_into_the_report(tmp_path, capsys):
+    code, plugin, out = fake_run(tmp_path, capsys, name="test_fake_all")
+    assert code == 1  # pytest's: a test failed
+    steps = {s["name"]: s for s in plugin.results}
+    assert list(steps) == ["nodes", "allreduce", "trainers", "proxyjump"]  # the file's order
+    for s in steps.values():
+        assert set(s) == {"name", "ok", "skipped", "seconds", "details"} and s["seconds"] >= 0
+    assert steps["nodes"]["ok"] and not steps["nodes"]["skipped"]
+    assert steps["nodes"]["details"] == {"alive": 2, "expected": 2, "agents": 2, "cpus": [1, 1],
+                                         "gpus": [0, 0]}
+    failed = steps["allreduce"]
+    assert not failed["ok"] and not failed["skipped"]
+    # the failure's message is the error; what the test put in details stays (pytest-timeout's
+    # marker: the step's limit plus hard_after)
+    assert failed["details"] == {"error": "2 wrong elements", "limit": 25, "log_tail": ["a", "b"]}
+    crashed = steps["trainers"]  # any other exception: its type and text
+    assert not crashed["ok"] and crashed["details"] == {"error": "KeyError: 'rows'", "jobs": {}}
+    skipped = steps["proxyjump"]
+    assert skipped["skipped"] and not skipped["ok"] and skipped["details"] == {"reason": "nothing to do"}
+
+    # the report on disk, as build_report makes it
+    written = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert written == plugin.report
+    assert (written["ok"], written["passed"], written["failed"], written["skipped"]) == (False, 1, 2, 1)
+    assert (written["cluster"], written["description"], written["nodes"]) == ("local", "/c/cluster.json", 2)
+    assert written["steps"] == plugin.results
+
+    # the printed lines: progress, each step's verdict as it ends, the job's log tail, the summary
+    # (and nothing of pytest's own but one blank line before the summary)
+    assert out[:3] == ["[smoke] nodes: starting (limit 10 s)", "nodes: working",
+                       out[2]] and out[2].startswith("[smoke] PASS nodes  ")
+    assert "2/2 nodes alive, 2 agents, CPUs [1, 1], GPUs [0, 0]" in out[2]
+    assert out[3] == "[smoke] allreduce: starting (limit 20 s)"
+    assert out[4].split()[:3] == ["[smoke]", "FAIL", "allreduce"] and out[4].endswith("s  2 wrong elements")
+    assert out[5:8] == ["[smoke] allreduce: the job's last 2 log lines:", "    a", "    b"]
+    assert out[8] == "[smoke] trainers: starting"  # no limit given for it
+    assert out[9].split()[:3] == ["[smoke]", "FAIL", "trainers"] and out[9].endswith("KeyError: 'rows'")
+    assert out[10] == "[smoke] proxyjump: starting"
+    assert out[11].split()[:3] == ["[smoke]", "SKIP", "proxyjump"] and out[11].endswith("nothing to do")
+    assert out[12] == ""
+    assert out[13] == "smoke tests of cluster local (local, 2 node(s), job API http://127.0.0.1:8265):"
+    assert [line.split()[:2] for line in out[14:18]] == [
+        ["PASS", "nodes"], ["FAIL", "allreduce"], ["FAIL", "trainers"], ["SKIP", "proxyjump"]]
+    assert out[18].startswith("smoke: FAIL: 1 passed, 2 failed, 1 skipped in ")
+    assert out[18].endswith(f" s; report {tmp_path / 'out' / 'report.json'}")
+    assert len(out) == 19
+
+
+def test_the_plugin_runs_only_the_chosen_steps_in_the_files_order(tmp_path, capsys):
+    code, plugin, out = fake_run(tmp_path, capsys, steps=["proxyjump", "nodes"], name="test_fake_some")
+    assert code == 0 and plugin.report["ok"]
+    assert [s["name"] for s in plugin.results] == ["nodes", "proxyjump"]
+    assert (plugin.report["passed"], plugin.report["failed"], plugin.report["skipped"]) == (1, 0, 1)
+    assert out[-1].startswith("smoke: PASS: 1 passed, 0 failed, 1 skipped in ")
+    assert not any("allreduce" in line or "trainers" in line for line in out)
+
+
+def test_a_suite_that_does_not_load_fails_the_run(tmp_path, capsys):
+    code, plugin, out = fake_run(tmp_path, capsys, suite="import no_such_module_here\n",
+                                 name="test_fake_broken")
+    assert code != 0 and plugin.results == [] and not plugin.interrupted
+    assert not plugin.report["ok"] and "did not load" in plugin.report["error"]
+    assert any("No module named 'no_such_module_here'" in line for line in out)
+    assert any(line.startswith("smoke: FAIL: 0 passed, 0 failed, 0 skipped") for line in out)
+
+
+def test_pytest_timeout_stops_a_step_past_its_limit(tmp_path, capsys):
+    suite = "import time\n\n\ndef test_nodes(details):\n    details['waited'] = True\n    time.sleep(30)\n"
+    path = tmp_path / "test_fake_slow.py"
+    path.write_text(suite)
+    plugin = smoke_report.SmokeReport(local_desc(), Path("/c/cluster.json"), tmp_path / "report.json",
+                                      limits={"nodes": 0.5}, hard_after=0.5)
+    smoke.run_suite(lib.Context(local_desc(), args(), None), plugin, suite=path)
+    [step] = plugin.results
+    assert not step["ok"] and step["seconds"] < 10
+    assert step["details"]["waited"] and "Timeout (>1.0s) from pytest-timeout" in step["details"]["error"]
