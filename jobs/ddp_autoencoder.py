@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from trainkit import data, flags, harness
+from trainkit import data, flags
+from trainkit.job import run_from_command_line
 from trainkit.torch_loop import TorchJob
 
 
@@ -96,4 +97,4 @@ class DDPAutoencoder(TorchJob):
 
 
 if __name__ == "__main__":
-    harness.run(DDPAutoencoder())
+    run_from_command_line(DDPAutoencoder())

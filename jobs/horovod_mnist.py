@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import flags, harness, mnist
+from trainkit import flags, mnist
+from trainkit.job import run_from_command_line
 from trainkit.torch_loop import TorchJob
 
 
@@ -107,4 +108,4 @@ class HorovodMNIST(TorchJob):
 
 
 if __name__ == "__main__":
-    harness.run(HorovodMNIST())
+    run_from_command_line(HorovodMNIST())

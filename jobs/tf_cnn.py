@@ -18,8 +18,9 @@ import argparse
 
 import numpy as np
 
-from trainkit import data, flags, harness
+from trainkit import data, flags
 from trainkit.errors import UserError
+from trainkit.job import run_from_command_line
 from trainkit.keras_loop import KerasJob
 
 SIZE = (150, 150)
@@ -137,4 +138,4 @@ class TFCNN(KerasJob):
 
 
 if __name__ == "__main__":
-    harness.run(TFCNN())
+    run_from_command_line(TFCNN())

@@ -1,4 +1,4 @@
-"""The training harness every job shares (see harness.py): flags, launchers, worker plan,
+"""The training harness every job shares (see job.py): flags, launchers, worker plan,
 checkpoints and restore, per-phase timing, ONNX publishing; and the jobs' data sets.
 
 `python jobs/<job>.py`, torchrun and horovodrun find this package through `jobs/trainkit`, a link

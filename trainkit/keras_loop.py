@@ -24,7 +24,9 @@ import numpy as np
 
 from . import launch
 from .errors import UserError
-from .harness import Job, Run, progress, replica, replicas
+from .job import Job, Run
+from .progress import say_epoch
+from .replicas import check_replicas_agree, describe_rank
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -171,7 +173,7 @@ class EpochReport(_Callback):
     def __init__(self, job: KerasJob, run: Run, world: World, store, samples: int):
         super().__init__()
         self.job, self.run, self.world, self.store, self.samples = job, run, world, store, samples
-        self.stepped = False
+        self.first_step_reported = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.t0 = time.perf_counter()
@@ -183,9 +185,9 @@ class EpochReport(_Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.processing += time.perf_counter() - self.b0
-        if not self.stepped:
-            self.stepped = True
-            self.job.stepped(self.run, self.world)
+        if not self.first_step_reported:
+            self.first_step_reported = True
+            self.job.report_first_step(self.run, self.world)
 
     def on_test_begin(self, logs=None):
         self.val_t0 = time.perf_counter()
@@ -202,7 +204,7 @@ class EpochReport(_Callback):
                        dataflow_s=train_s - self.processing, processing_s=self.processing,
                        validation_s=self.validation, epoch_s=end - self.t0,
                        samples_per_s=self.samples / train_s)
-        check = replicas(self.world.gather(replica(self.model.get_weights())))
+        check = check_replicas_agree(self.world.gather(describe_rank(self.model.get_weights())))
         if self.world.rank == 0:
-            progress(self.job.name, epoch + 1, self.run.epochs, metrics)
+            say_epoch(self.job.name, epoch + 1, self.run.epochs, metrics)
         self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)

@@ -19,7 +19,9 @@ from torch import nn
 
 from . import launch
 from .errors import UserError
-from .harness import Job, Run, progress, replica, replicas
+from .job import Job, Run
+from .progress import say_epoch
+from .replicas import check_replicas_agree, describe_rank
 from .timing import PhaseTimer
 
 STATE_FILE = "state.pt"
@@ -223,17 +225,17 @@ class TorchJob(Job):
         for epoch in range(start, run.epochs):
             if world.size > 1:
                 train.sampler.set_epoch(epoch)
-            first_step = (lambda: self.stepped(run, world)) if epoch == start else None
+            first_step = (lambda: self.report_first_step(run, world)) if epoch == start else None
             metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
                                  first_step)
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
                            launcher=run.launcher, backend=world.backend)
             if world.use_gpu:  # what the tutorial read off nvidia-smi, from the allocator itself
                 metrics["gpu_memory_peak_mb"] = torch.cuda.max_memory_allocated(world.device) / 2**20
-            check = replicas(world.gather(replica(p.detach().cpu().numpy()
-                                                  for p in model.state_dict().values())))
+            check = check_replicas_agree(world.gather(describe_rank(
+                p.detach().cpu().numpy() for p in model.state_dict().values())))
             if world.rank == 0:
-                progress(self.name, epoch + 1, run.epochs, metrics)
+                say_epoch(self.name, epoch + 1, run.epochs, metrics)
 
             store.save(epoch + 1, metrics, lambda folder: torch.save(
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),

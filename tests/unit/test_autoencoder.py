@@ -10,8 +10,9 @@ import pytest
 import torch
 from ddp_autoencoder import AutoEncoder, DDPAutoencoder
 
-from trainkit import flags, harness
+from trainkit import flags
 from trainkit.errors import UserError
+from trainkit.job import parse_flags
 from trainkit.onnx_export import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -161,7 +162,7 @@ def test_failed_parity_keeps_the_published_model(tmp_path):
 
 
 def parse_args(argv):
-    return flags.resolve(harness.parse(DDPAutoencoder(), argv), DDPAutoencoder.name)
+    return flags.resolve(parse_flags(DDPAutoencoder(), argv), DDPAutoencoder.name)
 
 
 def test_default_paths_follow_the_run_name(monkeypatch, tmp_path):

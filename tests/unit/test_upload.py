@@ -53,7 +53,7 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     assert ".git/config" not in git and not any(n.startswith((".git/objects", ".git/logs")) for n in git)
     assert ".git/HEAD" in git
     # what the jobs need still travels
-    for name in ["jobs/ddp_autoencoder.py", "trainkit/harness.py", "ansible/inventories/example/hosts.yml",
+    for name in ["jobs/ddp_autoencoder.py", "trainkit/job.py", "ansible/inventories/example/hosts.yml",
                  "ansible/inventories/emulated/hosts.yml", "README.md"]:
         assert name in names, name
     # the uploaded refs name the commit without git or its objects

@@ -1,0 +1,41 @@
+"""The plain launchers: torchrun, horovodrun, TF_CONFIG, or none (`local`). This process is one
+rank of the run (or the only one) and trains itself; rank 0 then publishes. (`launch` finds which
+launcher started the process; this module is what happens under each but Ray.)"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from . import cluster, flags
+from .job import Job, Run, Timeline
+from .onnx_export import Published
+from .progress import say
+from .publish import publish
+
+
+def train_in_process(job: Job, args: argparse.Namespace, launcher: str) -> Published | None:
+    """This process is one rank of a plain launcher (or the only one): train, then rank 0 publishes."""
+    world = job.world(launcher, args.use_gpu)
+    try:
+        args.name = world.agree(args.name or flags.default_name(job.name))  # one name on every rank
+        flags.resolve(args, job.name)
+        config = job.prepare(args)
+        cluster.check_batch(args.batch_size, job.train_size(config), world.size)
+        timeline = Timeline()
+        run = Run.from_flags(job, args, launcher, world.use_gpu, timeline=timeline)
+        timeline.mark_prepared()
+        if world.rank == 0:
+            say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {world.size} "
+                          f"process(es) on {world.device_kind}, batch {run.batch_size} per process, "
+                          f"{run.epochs} epoch(s); storage {run.storage_path}")
+        job.fit(run, config, world)
+        if world.rank != 0:
+            return None
+        store = job.store(run, config, world)
+        with store.latest() as last:
+            # torchrun restarts its processes itself (--max-restarts) and says how often
+            count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)
+    finally:
+        world.shutdown()
