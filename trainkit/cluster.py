@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .flags import UseGpu
 
 
 def connect(python_env: str | None = None) -> tuple[dict, int]:
@@ -105,7 +106,7 @@ def run_config(name: str, storage_path: str, keep: int | None = None, max_failur
                      failure_config=FailureConfig(max_failures=max_failures))
 
 
-def plan_workers(num_workers: int | tuple[int, int], use_gpu: str, totals: dict, nodes: int,
+def plan_workers(num_workers: int | tuple[int, int], use_gpu: UseGpu, totals: dict, nodes: int,
                  cpus_per_worker: float = 1.0, placement: str = "SPREAD",
                  elastic: bool = True) -> WorkerPlan:
     """Check `--num-workers`, `--use-gpu auto|true|false` and `--placement` against the cluster.
@@ -122,7 +123,7 @@ def plan_workers(num_workers: int | tuple[int, int], use_gpu: str, totals: dict,
         return WorkerPlan(most, plan.use_gpu, cpus_per_worker, placement, min_workers=least)
     if num_workers == 0:
         gpus_total = int(totals.get("GPU", 0))
-        if use_gpu != "false" and gpus_total > 0:
+        if use_gpu != UseGpu.NO and gpus_total > 0:
             num_workers = gpus_total
         else:
             num_workers = max(1, min(nodes, int(totals.get("CPU", 0) // cpus_per_worker)))
@@ -134,12 +135,7 @@ def plan_workers(num_workers: int | tuple[int, int], use_gpu: str, totals: dict,
                         f"--num-workers <= {nodes} or --placement SPREAD")
     gpus = int(totals.get("GPU", 0))
     cpus = totals.get("CPU", 0)
-    if use_gpu == "auto":
-        gpu = gpus >= num_workers
-    elif use_gpu in ("true", "false"):
-        gpu = use_gpu == "true"
-    else:
-        raise UserError(f"--use-gpu {use_gpu!r} must be auto, true or false")
+    gpu = gpus >= num_workers if use_gpu == UseGpu.AUTO else use_gpu == UseGpu.YES
     if gpu and gpus < num_workers:
         raise UserError(f"--use-gpu true with --num-workers {num_workers} needs {num_workers} GPUs "
                         f"but the Ray cluster has {gpus} ({nodes} node(s)); use --use-gpu false "

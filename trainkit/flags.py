@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import time
+from enum import StrEnum
 from pathlib import Path
 
 LAUNCHERS = ("auto", "ray", "torchrun", "horovodrun", "tf_config", "local")
@@ -59,6 +60,28 @@ class Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------ argparse types
+class UseGpu(StrEnum):
+    """--use-gpu, parsed once: AUTO (GPUs where there are enough), YES (no GPU is an error, never a
+    silent CPU run), NO. The values are the flag's words."""
+
+    AUTO = "auto"
+    YES = "true"
+    NO = "false"
+
+    @classmethod
+    def of(cls, on_gpu: bool) -> UseGpu:
+        """A choice already made (e.g. the worker plan's), as the tri-state the worlds take."""
+        return cls.YES if on_gpu else cls.NO
+
+
+class UseGpuAction(argparse.Action):
+    """Stores --use-gpu as a UseGpu, after argparse checked it against the choices (so a bad
+    value is argparse's own `invalid choice` line)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, UseGpu(values))
+
+
 def _number(text: str, kind, ok, rule: str):
     """`text` as `kind` (int or float) meeting `ok`, else argparse's error: what is wrong."""
     try:
@@ -138,7 +161,7 @@ def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: floa
     p.add_argument("--epochs", type=positive_int, default=epochs,
                    help="epochs in all; a resumed run trains the missing ones")
     p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
-    p.add_argument("--use-gpu", default="auto", choices=["auto", "true", "false"],
+    p.add_argument("--use-gpu", default=UseGpu.AUTO, choices=[u.value for u in UseGpu], action=UseGpuAction,
                    help="train on GPUs (NCCL) or CPUs (gloo); auto: GPUs when there is one per worker")
     p.add_argument("--launcher", default="auto", choices=("auto", *launchers),
                    help="who starts the workers; auto: found from the environment (a Ray job, "

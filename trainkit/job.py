@@ -142,7 +142,7 @@ class Job:
         return {}
 
     # ---- the framework's part
-    def world(self, launcher: str, use_gpu: str | bool):
+    def world(self, launcher: str, use_gpu: flags.UseGpu):
         raise NotImplementedError
 
     def fit(self, run: Run, config: dict, world=None) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import launch
 from .errors import UserError
+from .flags import UseGpu
 from .job import Job, Run
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
@@ -38,16 +39,16 @@ OPTIMIZER = "optimizer.npz"
 class World:
     """The strategy and this process's place in it."""
 
-    def __init__(self, launcher: str, use_gpu: str | bool):
+    def __init__(self, launcher: str, use_gpu: UseGpu):
         import tensorflow as tf
 
         self.tf, self.launcher = tf, launcher
         gpus = tf.config.list_physical_devices("GPU")
-        if use_gpu in ("true", True) and not gpus:
+        if use_gpu == UseGpu.YES and not gpus:
             raise UserError(f"--use-gpu true but TensorFlow {tf.__version__} sees no GPU (built for "
                             f"CUDA {tf.sysconfig.get_build_info().get('cuda_version', 'none')}); "
                             "check the node's CUDA libraries, or pass --use-gpu false")
-        self.use_gpu = bool(gpus) and use_gpu not in ("false", False)
+        self.use_gpu = bool(gpus) and use_gpu != UseGpu.NO
         if gpus and not self.use_gpu:
             tf.config.set_visible_devices([], "GPU")
         if launcher == "local":
@@ -111,11 +112,11 @@ class KerasJob(Job):
         """(training, validation) tf.data sets, batched by `global_batch`."""
         raise NotImplementedError
 
-    def world(self, launcher: str, use_gpu: str | bool) -> World:
+    def world(self, launcher: str, use_gpu: UseGpu) -> World:
         return World(launcher, use_gpu)
 
     def fit(self, run: Run, config: dict, world: World | None = None) -> None:
-        world = world or self.world(run.launcher, run.use_gpu)
+        world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         with world.strategy.scope():
             model = self.model(config)

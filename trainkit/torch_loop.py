@@ -19,6 +19,7 @@ from torch import nn
 
 from . import launch
 from .errors import UserError
+from .flags import UseGpu
 from .job import Job, Run
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
@@ -27,20 +28,20 @@ from .timing import PhaseTimer
 STATE_FILE = "state.pt"
 
 
-def want_gpu(use_gpu: str | bool) -> bool:
+def want_gpu(use_gpu: UseGpu) -> bool:
     """--use-gpu for this process: auto uses CUDA when it sees a device; true without one is an error."""
     seen = torch.cuda.is_available()
-    if use_gpu in ("true", True) and not seen:
+    if use_gpu == UseGpu.YES and not seen:
         raise UserError("--use-gpu true but this process sees no CUDA device (torch "
                         f"{torch.__version__}, CUDA build {torch.version.cuda}); check the driver "
                         "and CUDA_VISIBLE_DEVICES, or pass --use-gpu false")
-    return seen if use_gpu == "auto" else use_gpu in ("true", True)
+    return seen if use_gpu == UseGpu.AUTO else use_gpu == UseGpu.YES
 
 
 class World:
     """torch.distributed: Ray's TorchTrainer group, torchrun's, or a single process."""
 
-    def __init__(self, launcher: str, use_gpu: str | bool):
+    def __init__(self, launcher: str, use_gpu: UseGpu):
         import torch.distributed as dist
 
         self.launcher, self.dist = launcher, dist
@@ -132,7 +133,7 @@ class World:
 class HorovodWorld(World):
     """Horovod: hvd.init(), one GPU per local rank, DistributedOptimizer and broadcasts from rank 0."""
 
-    def __init__(self, launcher: str, use_gpu: str | bool):
+    def __init__(self, launcher: str, use_gpu: UseGpu):
         import horovod.torch as hvd
 
         self.hvd, self.launcher = hvd, launcher
@@ -204,11 +205,11 @@ class TorchJob(Job):
         raise NotImplementedError
 
     # ---- the framework's part
-    def world(self, launcher: str, use_gpu: str | bool) -> World:
+    def world(self, launcher: str, use_gpu: UseGpu) -> World:
         return HorovodWorld(launcher, use_gpu) if self.trainer == "horovod" else World(launcher, use_gpu)
 
     def fit(self, run: Run, config: dict, world: World | None = None) -> None:
-        world = world or self.world(run.launcher, run.use_gpu)
+        world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
         model = self.model(config).to(world.device)
