@@ -13,6 +13,7 @@ Rerunning with the same --name (and --storage-path) resumes from that run's late
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,6 +49,13 @@ class AutoEncoder(nn.Module):
         return self.decoder(self.encoder(x))
 
 
+@dataclass(frozen=True)
+class AutoencoderConfig:
+    source: data.FrameSource  # the frames, checked on the driver
+    train: list[int]  # frame indices
+    val: list[int]
+
+
 class DDPAutoencoder(TorchJob):
     name = "ddp_autoencoder"
     description = __doc__.split("\n\n")[0]
@@ -65,35 +73,35 @@ class DDPAutoencoder(TorchJob):
         p.add_argument("--val-fraction", type=flags.fraction, default=0.1,
                        help="share of the frames held out for validation and the ONNX check")
 
-    def prepare(self, args) -> dict:
+    def prepare(self, args) -> AutoencoderConfig:
         size = data.parse_size(args.image_size, multiple=20)
         source = data.inspect_frames(args.data, size, args.limit)
         train, val = data.split_indices(source.count, args.val_fraction)
-        return {"source": source, "train": train, "val": val}
+        return AutoencoderConfig(source, train, val)
 
-    def describe(self, config: dict) -> str:
-        return config["source"].describe()
+    def describe(self, config: AutoencoderConfig) -> str:
+        return config.source.describe()
 
-    def train_size(self, config: dict) -> int:
-        return len(config["train"])
+    def train_size(self, config: AutoencoderConfig) -> int:
+        return len(config.train)
 
-    def signature(self, config: dict) -> dict:
-        return {"model": "AutoEncoder", "image_size": list(config["source"].size)}
+    def signature(self, config: AutoencoderConfig) -> dict:
+        return {"model": "AutoEncoder", "image_size": list(config.source.size)}
 
-    def model(self, config: dict) -> nn.Module:
+    def model(self, config: AutoencoderConfig) -> nn.Module:
         return AutoEncoder()
 
-    def datasets(self, config: dict):
-        frames = data.FrameDataset(config["source"])
-        return Subset(frames, config["train"]), Subset(frames, config["val"])
+    def datasets(self, config: AutoencoderConfig):
+        frames = data.FrameDataset(config.source)
+        return Subset(frames, config.train), Subset(frames, config.val)
 
     def step(self, model, batch):
         x = batch.float().div_(255.0)  # uint8 frames, scaled on the device
         loss = nn.functional.mse_loss(model(x), x)
         return loss, {"loss": loss * len(x)}
 
-    def held_out(self, config: dict) -> np.ndarray:
-        return data.frames_at(config["source"], config["val"][:16])
+    def held_out(self, config: AutoencoderConfig) -> np.ndarray:
+        return data.frames_at(config.source, config.val[:16])
 
 
 if __name__ == "__main__":

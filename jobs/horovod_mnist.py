@@ -14,6 +14,7 @@ verifies it in onnxruntime.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,13 @@ def load_mnist(root: Path, train: bool):
                                       transform=torchvision.transforms.ToTensor())
 
 
+@dataclass(frozen=True)
+class MNISTConfig:
+    root: str  # the MNIST root the driver checked
+    data_dir: str | None  # --data-dir; None: the built-in set, written on each node
+    train_size: int
+
+
 class HorovodMNIST(TorchJob):
     name = "horovod_mnist"
     description = __doc__.split("\n\n")[0]
@@ -66,33 +74,33 @@ class HorovodMNIST(TorchJob):
                        help="torchvision MNIST root (holding MNIST/raw/*-ubyte); default: built-in "
                             "digits written once in MNIST's format under $DLC_HOME/data")
 
-    def prepare(self, args) -> dict:
+    def prepare(self, args) -> MNISTConfig:
         root = (mnist.check_dir(args.data_dir) if args.data_dir
                 else mnist.ensure_builtin(flags.dlc_home() / "data" / "mnist-builtin"))
-        return {"root": str(root), "data_dir": args.data_dir, "train_size": len(load_mnist(root, True))}
+        return MNISTConfig(str(root), args.data_dir, len(load_mnist(root, True)))
 
-    def describe(self, config: dict) -> str:
-        return f"{config['train_size']} MNIST training images from {config['root']}"
+    def describe(self, config: MNISTConfig) -> str:
+        return f"{config.train_size} MNIST training images from {config.root}"
 
-    def train_size(self, config: dict) -> int:
-        return config["train_size"]
+    def train_size(self, config: MNISTConfig) -> int:
+        return config.train_size
 
-    def signature(self, config: dict) -> dict:
+    def signature(self, config: MNISTConfig) -> dict:
         return {"model": "Net", "input": [1, 28, 28]}
 
-    def root(self, config: dict) -> Path:
+    def root(self, config: MNISTConfig) -> Path:
         # on another node the built-in set is written there once (its own $DLC_HOME)
-        if config["data_dir"]:
-            return Path(config["root"])
+        if config.data_dir:
+            return Path(config.root)
         return mnist.ensure_builtin(flags.dlc_home() / "data" / "mnist-builtin")
 
-    def model(self, config: dict) -> nn.Module:
+    def model(self, config: MNISTConfig) -> nn.Module:
         return Net()
 
     def optimizer(self, model: nn.Module, lr: float, world_size: int):
         return torch.optim.Adam(model.parameters(), lr=lr * world_size)  # Horovod's scaling rule
 
-    def datasets(self, config: dict):
+    def datasets(self, config: MNISTConfig):
         root = self.root(config)
         return load_mnist(root, True), load_mnist(root, False)
 
@@ -102,7 +110,7 @@ class HorovodMNIST(TorchJob):
         loss = F.cross_entropy(logits, target)
         return loss, {"loss": loss * len(x), "accuracy": (logits.argmax(1) == target).sum()}
 
-    def held_out(self, config: dict) -> np.ndarray:
+    def held_out(self, config: MNISTConfig) -> np.ndarray:
         test = load_mnist(self.root(config), False)
         return torch.stack([test[i][0] for i in range(16)]).numpy()
 

@@ -15,6 +15,7 @@ Keras is tf-keras (Keras 2): Keras 3's fit() breaks under MultiWorkerMirroredStr
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,6 +49,22 @@ def build_model():
     ])
 
 
+@dataclass(frozen=True)
+class CNNConfig:
+    data: str | None  # --data; None: the built-in set
+    per_class: int
+    classes: list[str]
+    train: list[int]  # image indices
+    val: list[int]
+
+
+def load_images(data_folder: str | None, per_class: int):
+    """(images, labels, class names): the built-in set, or a folder's two classes."""
+    if data_folder is None:
+        return data.builtin_two_class(per_class, SIZE)
+    return data.load_two_class_folder(data_folder, SIZE, per_class)
+
+
 class TFCNN(KerasJob):
     name = "tf_cnn"
     description = __doc__.split("\n\n")[0]
@@ -65,30 +82,24 @@ class TFCNN(KerasJob):
         p.add_argument("--val-fraction", type=flags.fraction, default=0.2,
                        help="share held out for validation and the ONNX check")
 
-    def prepare(self, args) -> dict:
+    def prepare(self, args) -> CNNConfig:
         if args.per_class < 2:
             raise UserError(f"--per-class {args.per_class} must be at least 2")
-        x, _, classes = self.load({"data": args.data, "per_class": args.per_class})
+        x, _, classes = load_images(args.data, args.per_class)
         train, val = data.split_indices(len(x), args.val_fraction)
-        return {"data": args.data, "per_class": args.per_class, "classes": classes,
-                "train": train, "val": val}
+        return CNNConfig(args.data, args.per_class, classes, train, val)
 
-    def load(self, config: dict):
-        if config["data"] is None:
-            return data.builtin_two_class(config["per_class"], SIZE)
-        return data.load_two_class_folder(config["data"], SIZE, config["per_class"])
+    def describe(self, config: CNNConfig) -> str:
+        n = len(config.train) + len(config.val)
+        return f"{n} images of classes {config.classes}"
 
-    def describe(self, config: dict) -> str:
-        n = len(config["train"]) + len(config["val"])
-        return f"{n} images of classes {config['classes']}"
+    def train_size(self, config: CNNConfig) -> int:
+        return len(config.train)
 
-    def train_size(self, config: dict) -> int:
-        return len(config["train"])
+    def signature(self, config: CNNConfig) -> dict:
+        return {"model": "CNN", "input": [*SIZE, 3], "classes": config.classes}
 
-    def signature(self, config: dict) -> dict:
-        return {"model": "CNN", "input": [*SIZE, 3], "classes": config["classes"]}
-
-    def model(self, config: dict):
+    def model(self, config: CNNConfig):
         return build_model()
 
     def compile(self, model, lr: float) -> None:
@@ -97,19 +108,19 @@ class TFCNN(KerasJob):
         model.compile(loss="binary_crossentropy", optimizer=keras.optimizers.Adam(lr),
                       metrics=["accuracy"])
 
-    def datasets(self, config: dict, global_batch: int, replicas: int):
+    def datasets(self, config: CNNConfig, global_batch: int, num_replicas: int):
         import tensorflow as tf
 
-        x, y, _ = self.load(config)
+        x, y, _ = load_images(config.data, config.per_class)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
 
         def dataset(idx, shuffle):
             # Whole batches only, so every worker takes the same number of steps; a validation
             # set smaller than a global batch gets the largest batch that splits evenly.
-            batch = min(global_batch, len(idx) // replicas * replicas)
+            batch = min(global_batch, len(idx) // num_replicas * num_replicas)
             if batch < 1:
-                raise UserError(f"{len(idx)} validation images cannot be split over {replicas} "
+                raise UserError(f"{len(idx)} validation images cannot be split over {num_replicas} "
                                 "workers; raise --per-class or --val-fraction")
             ds = tf.data.Dataset.from_tensor_slices((x[idx], y[idx].astype(np.float32)))
             if shuffle:
@@ -117,7 +128,7 @@ class TFCNN(KerasJob):
             ds = ds.map(lambda img, label: (tf.cast(img, tf.float32) / 255.0, label))
             return ds.batch(batch, drop_remainder=True).with_options(options)
 
-        return dataset(config["train"], True), dataset(config["val"], False)
+        return dataset(config.train, True), dataset(config.val, False)
 
     def launcher(self, args) -> str:
         if args.strategy == "mirrored":
@@ -128,13 +139,13 @@ class TFCNN(KerasJob):
                             "one process per worker with TF_CONFIG; or use --strategy mirrored")
         return launcher
 
-    def manifest(self, config: dict, run) -> dict:
-        return {"classes": config["classes"],
+    def manifest(self, config: CNNConfig, run) -> dict:
+        return {"classes": config.classes,
                 "strategy": "mirrored" if run.launcher == "local" else "multiworker"}
 
-    def held_out(self, config: dict) -> np.ndarray:
-        x, _, _ = self.load(config)
-        return x[config["val"][:16]].astype(np.float32) / 255.0
+    def held_out(self, config: CNNConfig) -> np.ndarray:
+        x, _, _ = load_images(config.data, config.per_class)
+        return x[config.val[:16]].astype(np.float32) / 255.0
 
 
 if __name__ == "__main__":

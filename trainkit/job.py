@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -61,6 +61,39 @@ class Timeline:
         return {"imported_at": self.imported_at, "prepared_at": self.prepared_at,
                 "workers_started_at": self.workers_started_at, "first_step_at": self.first_step_at,
                 "export_s": export_s}
+
+
+class World(Protocol):
+    """This process's place in the run, as the harness uses it under every framework and
+    launcher (`torch_loop.TorchWorld`, `torch_loop.HorovodWorld`, `keras_loop.KerasWorld`)."""
+
+    rank: int
+    size: int
+    use_gpu: bool
+
+    @property
+    def device_kind(self) -> str:
+        """"GPU" or "CPU", for the run's first line."""
+        ...
+
+    def gather(self, value: str) -> list[str]:
+        """Every rank's `value`, in rank order (an all-gather)."""
+        ...
+
+    def agree(self, value: str) -> str:
+        """Rank 0's `value` on every rank (e.g. a generated run name)."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """Leave the group (all ranks together), where this world made it."""
+        ...
+
+
+# a job's configuration: the dataclass its `prepare` returns (its own type, e.g. `AutoencoderConfig`),
+# checked once on the driver and sent to every rank
+JobConfig = Any
 
 
 # what Run holds that is not the run's settings: left out of the manifest's "run"
@@ -115,21 +148,22 @@ class Job:
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         """The job's own flags."""
 
-    def prepare(self, args: argparse.Namespace) -> dict:
-        """Check the job's own flags and its data (one-line UserError); the config every rank gets."""
+    def prepare(self, args: argparse.Namespace) -> JobConfig:
+        """Check the job's own flags and its data (one-line UserError); the config every rank gets
+        (the job's own dataclass)."""
         raise NotImplementedError
 
-    def describe(self, config: dict) -> str:
+    def describe(self, config: JobConfig) -> str:
         raise NotImplementedError
 
-    def train_size(self, config: dict) -> int:
+    def train_size(self, config: JobConfig) -> int:
         raise NotImplementedError
 
-    def signature(self, config: dict) -> dict:
+    def signature(self, config: JobConfig) -> dict:
         """What a checkpoint must match to be resumed (model and data shapes)."""
         return {}
 
-    def held_out(self, config: dict) -> np.ndarray:
+    def held_out(self, config: JobConfig) -> np.ndarray:
         """Inputs the ONNX model is checked on against the framework (float32, a batch)."""
         raise NotImplementedError
 
@@ -137,30 +171,30 @@ class Job:
         """The launcher this run uses: --launcher, else what the environment shows."""
         return launch.choose(args.launcher, self.launchers, self.name)
 
-    def manifest(self, config: dict, run: Run) -> dict:
+    def manifest(self, config: JobConfig, run: Run) -> dict:
         """Further fields for the manifest."""
         return {}
 
     # ---- the framework's part
-    def world(self, launcher: str, use_gpu: flags.UseGpu):
+    def world(self, launcher: str, use_gpu: flags.UseGpu) -> World:
         raise NotImplementedError
 
-    def fit(self, run: Run, config: dict, world=None) -> None:
+    def fit(self, run: Run, config: JobConfig, world: World | None = None) -> None:
         raise NotImplementedError
 
-    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
         """Load the checkpoint in `folder`, export it: (staged ONNX file, the framework's output)."""
         raise NotImplementedError
 
     # ---- shared by the frameworks' loops
-    def store(self, run: Run, config: dict, world) -> Store:
+    def store(self, run: Run, config: JobConfig, world: World) -> Store:
         """Where this rank saves and restores: Ray Train's checkpoints, or the run's folder."""
         if run.launcher == "ray":  # Ray keeps run.keep_checkpoints (CheckpointConfig)
             return RayStore(self.name, run.name, self.signature(config), world.rank)
         return FolderStore(self.name, run.name, self.signature(config), world.rank,
                            run.storage_path, world.barrier, keep=run.keep_checkpoints)
 
-    def resume(self, store: Store, run: Run, world, load: Callable[[Path], None]) -> int | None:
+    def resume(self, store: Store, run: Run, world: World, load: Callable[[Path], None]) -> int | None:
         """Restore the run's latest checkpoint with `load(folder)`: the epoch to go on from, or
         None when the run has trained all its epochs already."""
         start = 0
@@ -181,7 +215,7 @@ class Job:
                      "(raise --epochs to train on)")
         return None
 
-    def report_first_step(self, run: Run, world) -> None:
+    def report_first_step(self, run: Run, world: World) -> None:
         """The loops call this after each start's first training step: rank 0 tells Attempts on
         Ray, and marks the run's timeline itself under the other launchers (it publishes there)."""
         if world.rank != 0:

@@ -25,7 +25,7 @@ import numpy as np
 from . import launch
 from .errors import UserError
 from .flags import UseGpu
-from .job import Job, Run
+from .job import Job, JobConfig, Run
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
 
@@ -36,8 +36,8 @@ WEIGHTS = "weights.h5"
 OPTIMIZER = "optimizer.npz"
 
 
-class World:
-    """The strategy and this process's place in it."""
+class KerasWorld:
+    """The strategy and this process's place in it (implements `job.World`)."""
 
     def __init__(self, launcher: str, use_gpu: UseGpu):
         import tensorflow as tf
@@ -63,7 +63,7 @@ class World:
                 self.rank, self.size = ctx.get_world_rank(), ctx.get_world_size()
             else:
                 self.rank, self.size, _ = launch.world_from_env(launcher)
-        self.replicas = self.strategy.num_replicas_in_sync
+        self.num_replicas = self.strategy.num_replicas_in_sync  # devices over all workers
 
     @property
     def device_kind(self) -> str:
@@ -102,20 +102,20 @@ class KerasJob(Job):
     # GPU image gives TF jobs' workers a virtualenv of their own and names it here
     worker_python_env = "DLC_TF_PYTHON"
 
-    def model(self, config: dict):
+    def model(self, config: JobConfig):
         raise NotImplementedError
 
     def compile(self, model, lr: float) -> None:
         raise NotImplementedError
 
-    def datasets(self, config: dict, global_batch: int, replicas: int):
+    def datasets(self, config: JobConfig, global_batch: int, num_replicas: int):
         """(training, validation) tf.data sets, batched by `global_batch`."""
         raise NotImplementedError
 
-    def world(self, launcher: str, use_gpu: UseGpu) -> World:
-        return World(launcher, use_gpu)
+    def world(self, launcher: str, use_gpu: UseGpu) -> KerasWorld:
+        return KerasWorld(launcher, use_gpu)
 
-    def fit(self, run: Run, config: dict, world: World | None = None) -> None:
+    def fit(self, run: Run, config: JobConfig, world: KerasWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         with world.strategy.scope():
@@ -124,13 +124,13 @@ class KerasJob(Job):
             start = self.resume(store, run, world, lambda folder: load(model, folder))
         if start is None:
             return
-        global_batch = run.batch_size * world.replicas
-        train, val = self.datasets(config, global_batch, world.replicas)
+        global_batch = run.batch_size * world.num_replicas
+        train, val = self.datasets(config, global_batch, world.num_replicas)
         report = EpochReport(self, run, world, store, self.train_size(config) // global_batch * global_batch)
         model.fit(train, validation_data=val, epochs=run.epochs, initial_epoch=start,
                   callbacks=[report], verbose=0)
 
-    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
         from .onnx_export import export_keras
 
         model = self.model(config)
@@ -171,7 +171,7 @@ except ImportError:  # pragma: no cover - only where TensorFlow is missing
 class EpochReport(_Callback):
     """Times each phase, checks the replicas, prints rank 0's line and saves the checkpoint."""
 
-    def __init__(self, job: KerasJob, run: Run, world: World, store, samples: int):
+    def __init__(self, job: KerasJob, run: Run, world: KerasWorld, store, samples: int):
         super().__init__()
         self.job, self.run, self.world, self.store, self.samples = job, run, world, store, samples
         self.first_step_reported = False

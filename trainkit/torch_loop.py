@@ -1,6 +1,6 @@
 """PyTorch jobs: the epoch loop, and the two ways ranks talk (torch.distributed, Horovod).
 
-The loop is the same under every launcher. What differs sits in a small `World` (in the spirit
+The loop is the same under every launcher. What differs sits in a small world (in the spirit
 of Ignite's `idist`): rank, size, device, how the model and optimizer are wrapped (DDP, or
 Horovod's DistributedOptimizer + broadcasts), and the collectives the harness needs (a sum, an
 all-gather, a barrier). Under Ray's TorchTrainer the process group is Ray's; under torchrun the
@@ -20,7 +20,7 @@ from torch import nn
 from . import launch
 from .errors import UserError
 from .flags import UseGpu
-from .job import Job, Run
+from .job import Job, JobConfig, Run
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
 from .timing import PhaseTimer
@@ -38,8 +38,10 @@ def want_gpu(use_gpu: UseGpu) -> bool:
     return seen if use_gpu == UseGpu.AUTO else use_gpu == UseGpu.YES
 
 
-class World:
-    """torch.distributed: Ray's TorchTrainer group, torchrun's, or a single process."""
+class TorchWorld:
+    """torch.distributed: Ray's TorchTrainer group, torchrun's, or a single process. Implements
+    `job.World`, plus what the torch loop needs: the device, a sum, the model's wrapping, the
+    optimizer's step."""
 
     def __init__(self, launcher: str, use_gpu: UseGpu):
         import torch.distributed as dist
@@ -130,7 +132,7 @@ class World:
             self.dist.destroy_process_group()
 
 
-class HorovodWorld(World):
+class HorovodWorld(TorchWorld):
     """Horovod: hvd.init(), one GPU per local rank, DistributedOptimizer and broadcasts from rank 0."""
 
     def __init__(self, launcher: str, use_gpu: UseGpu):
@@ -189,13 +191,13 @@ class TorchJob(Job):
     loader_workers = 0
 
     # ---- the job's part
-    def model(self, config: dict) -> nn.Module:
+    def model(self, config: JobConfig) -> nn.Module:
         raise NotImplementedError
 
     def optimizer(self, model: nn.Module, lr: float, world_size: int):
         return torch.optim.Adam(model.parameters(), lr=lr)
 
-    def datasets(self, config: dict):
+    def datasets(self, config: JobConfig):
         """(training set, validation set): torch Datasets."""
         raise NotImplementedError
 
@@ -205,10 +207,10 @@ class TorchJob(Job):
         raise NotImplementedError
 
     # ---- the framework's part
-    def world(self, launcher: str, use_gpu: UseGpu) -> World:
-        return HorovodWorld(launcher, use_gpu) if self.trainer == "horovod" else World(launcher, use_gpu)
+    def world(self, launcher: str, use_gpu: UseGpu) -> TorchWorld:
+        return HorovodWorld(launcher, use_gpu) if self.trainer == "horovod" else TorchWorld(launcher, use_gpu)
 
-    def fit(self, run: Run, config: dict, world: World | None = None) -> None:
+    def fit(self, run: Run, config: JobConfig, world: TorchWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
@@ -242,7 +244,7 @@ class TorchJob(Job):
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),
                 replicas=check)
 
-    def loader(self, dataset, batch_size: int, world: World, shuffle: bool):
+    def loader(self, dataset, batch_size: int, world: TorchWorld, shuffle: bool):
         """Ignite's auto_dataloader: a DistributedSampler over the world, pinned memory on GPU."""
         from torch.utils.data import DataLoader, DistributedSampler
 
@@ -252,7 +254,7 @@ class TorchJob(Job):
                           shuffle=shuffle and sampler is None, num_workers=self.loader_workers,
                           pin_memory=world.use_gpu, persistent_workers=self.loader_workers > 0)
 
-    def epoch(self, model, optimizer, train, val, world: World, label: str, first_step) -> dict:
+    def epoch(self, model, optimizer, train, val, world: TorchWorld, label: str, first_step) -> dict:
         timer = PhaseTimer(world.sync)
         sums: dict[str, torch.Tensor] = {}
         model.train()
@@ -285,7 +287,7 @@ class TorchJob(Job):
                        samples_per_s=n / (next(it) / world.size))
         return metrics
 
-    def run_pass(self, model, loader, world: World, timer: PhaseTimer | None, phase: str | None,
+    def run_pass(self, model, loader, world: TorchWorld, timer: PhaseTimer | None, phase: str | None,
                  sums: dict, optimizer, label: str, first_step) -> int:
         """One pass over a loader; metric sums stay on the device (no host sync per step).
         Rank 0 shows the training pass's progress in quarters."""
@@ -309,7 +311,7 @@ class TorchJob(Job):
         return seen
 
     # ---- publishing
-    def export(self, folder: Path, config: dict, inputs: np.ndarray, output: Path):
+    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
         from .onnx_export import export_torch
 
         model = self.model(config)
