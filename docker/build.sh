@@ -35,7 +35,7 @@ case $GPU in
   1) IMAGE=${IMAGE:-dlcluster:gpu}; BASE_IMAGE=${BASE_IMAGE:-$GPU_BASE} ;;
   *) die "GPU must be 0 or 1 (got '$GPU')" ;;
 esac
-command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/python3.X (the client's Python)"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/$DEFAULT_PYTHON (the client's Python, versions.env)"
 pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 docker/engine.sh

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$DEFAULT_PYTHON}
 CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
-command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install it or set PYTHON=/path/to/python3.X (the release versions.env names)" >&2; exit 1; }
+command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install $DEFAULT_PYTHON (versions.env) or set PYTHON=/path/to/$DEFAULT_PYTHON" >&2; exit 1; }
 
 key=$("$PYTHON" scripts/envkey.py)
 venv="$CACHE/venv-$key"

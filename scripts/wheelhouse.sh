@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     *) die "$usage" ;;
   esac
 done
-command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install it or set PYTHON=/path/to/python3.X (the release versions.env names)"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install $DEFAULT_PYTHON (versions.env) or set PYTHON=/path/to/$DEFAULT_PYTHON"
 
 key=$("$PYTHON" scripts/envkey.py)
 house=$CACHE/wheelhouse/$key
