@@ -40,7 +40,7 @@ TIMEOUTS = {"nodes": 180, "allreduce": 600, "trainers": 2700, "proxyjump": 120} 
 HARD_STOP_AFTER = 360
 TRAINERS = ("ddp_autoencoder", "horovod_mnist", "tf_cnn")
 DEFAULT_SIZES_MIB = (1, 4, 16, 64, 256)
-EXCLUDES = list(record.EXCLUDES)  # what .gitignore and .rayignore leave behind: .git travels, for the manifest
+EXCLUDES = list(record.EXCLUDES)  # what the ignore files leave behind: .git travels, for the manifest
 LOG_TAIL = 30
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its log prefixes
 
