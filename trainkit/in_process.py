@@ -8,7 +8,7 @@ import argparse
 import os
 
 from . import cluster, flags
-from .job import Job, Run, Timeline
+from .job import Job, Run, Timeline, World
 from .onnx_export import Published
 from .progress import say
 from .publish import publish
@@ -17,25 +17,32 @@ from .publish import publish
 def train_in_process(job: Job, args: argparse.Namespace, launcher: str) -> Published | None:
     """This process is one rank of a plain launcher (or the only one): train, then rank 0 publishes."""
     world = job.world(launcher, args.use_gpu)
-    try:
-        args.name = world.agree(args.name or flags.default_name(job.name))  # one name on every rank
-        flags.resolve(args, job.name)
-        config = job.prepare(args)
-        cluster.check_batch(args.batch_size, job.train_size(config), world.size)
-        timeline = Timeline()
-        run = Run.from_flags(job, args, launcher, world.use_gpu, timeline=timeline)
-        timeline.mark_prepared()
-        if world.rank == 0:
-            say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {world.size} "
-                          f"process(es) on {world.device_kind}, batch {run.batch_size} per process, "
-                          f"{run.epochs} epoch(s); storage {run.storage_path}")
-        job.fit(run, config, world)
-        if world.rank != 0:
-            return None
-        store = job.store(run, config, world)
-        with store.latest() as last:
-            # torchrun restarts its processes itself (--max-restarts) and says how often
-            count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-            return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)
-    finally:
-        world.shutdown()
+    published = _train_then_publish(job, args, launcher, world)
+    # Every rank leaves together, after rank 0 has published (a rank that tore its group down
+    # while rank 0 was still exporting could abort). A failed rank skips this: it raises at once
+    # and the launcher stops the others, where a barrier could only hang.
+    world.shutdown()
+    return published
+
+
+def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
+                        world: World) -> Published | None:
+    args.name = world.agree(args.name or flags.default_name(job.name))  # one name on every rank
+    flags.resolve(args, job.name)
+    config = job.prepare(args)
+    cluster.check_batch(args.batch_size, job.train_size(config), world.size)
+    timeline = Timeline()
+    run = Run.from_flags(job, args, launcher, world.use_gpu, timeline=timeline)
+    timeline.mark_prepared()
+    if world.rank == 0:
+        say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {world.size} "
+                      f"process(es) on {world.device_kind}, batch {run.batch_size} per process, "
+                      f"{run.epochs} epoch(s); storage {run.storage_path}")
+    job.fit(run, config, world)
+    if world.rank != 0:
+        return None
+    store = job.store(run, config, world)
+    with store.latest() as last:
+        # torchrun restarts its processes itself (--max-restarts) and says how often
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)

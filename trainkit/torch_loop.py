@@ -128,7 +128,9 @@ class TorchWorld:
         return seconds
 
     def shutdown(self) -> None:
+        """Under torchrun: wait for every rank, then take the group down (the others' is Ray's)."""
         if self.launcher == "torchrun" and self.grouped:
+            self.dist.barrier()
             self.dist.destroy_process_group()
 
 
