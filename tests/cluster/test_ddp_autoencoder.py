@@ -36,9 +36,18 @@ def run(cluster, storage, name, *args):
                           "--output", str(storage.parent / f"models-{name}"), *args)
 
 
-def test_trains_on_two_nodes_and_exports_verified_onnx(cluster, storage, frames_dir):
+@pytest.fixture(scope="module")
+def trained(cluster, storage, frames_dir):
+    """One epoch on a folder of frames: the run the tests below check, resume and refuse to change."""
     proc = run(cluster, storage, "e2e", "--data", str(frames_dir), "--epochs", "1")
-    assert proc.returncode == 0 and "succeeded" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert len(checkpoints(storage, "e2e")) == 1
+    return proc
+
+
+def test_trains_on_two_nodes_and_exports_verified_onnx(storage, trained):
+    proc = trained
+    assert "succeeded" in proc.stdout
     assert ray_noise(proc.stdout) == []  # the run line, progress, epochs, the result: no Ray dumps
     out = storage.parent / "models-e2e"
     assert f"ONNX model: {out / 'model.onnx'}" in proc.stdout
@@ -74,22 +83,14 @@ def fingerprint(storage, name):
             for p in sorted((storage / name).rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def trained(cluster, storage):
-    proc = run(cluster, storage, "resume", "--limit", "60", "--epochs", "1")
+def test_rerun_with_the_same_name_resumes(cluster, storage, frames_dir, trained):
+    first = checkpoints(storage, "e2e")
+    proc = run(cluster, storage, "e2e", "--data", str(frames_dir), "--epochs", "2")
     assert proc.returncode == 0
-    assert len(checkpoints(storage, "resume")) == 1
-    return "resume"
-
-
-def test_rerun_with_the_same_name_resumes(cluster, storage, trained):
-    first = checkpoints(storage, trained)
-    proc = run(cluster, storage, trained, "--limit", "60", "--epochs", "2")
-    assert proc.returncode == 0
-    assert f"resuming after epoch 1 from {storage / trained / first[0]}" in proc.stdout
+    assert f"resuming after epoch 1 from {storage / 'e2e' / first[0]}" in proc.stdout
     assert "epoch 2/2" in proc.stdout and "epoch 1/2" not in proc.stdout
-    assert checkpoints(storage, trained)[0] == first[0] and len(checkpoints(storage, trained)) == 2
-    m = read_manifest(storage.parent / f"models-{trained}")
+    assert checkpoints(storage, "e2e")[0] == first[0] and len(checkpoints(storage, "e2e")) == 2
+    m = read_manifest(storage.parent / "models-e2e")
     assert m["run"]["epochs"] == 2 and m["metrics"]["epoch"] == 2
 
 
@@ -115,7 +116,7 @@ def bad_inputs(tmp_path):
         "corrupt image": (["--data", str(corrupt)], f"cannot read image {corrupt / '2.jpg'}"),
         "batch > share": (["--limit", "60", "--batch-size", "64"], "larger than each worker's share"),
         "too many workers": (["--limit", "60", "--num-workers", "8"], "needs 8 CPUs"),
-        "other shapes": (["--limit", "60", "--image-size", "60x80"], "run resume was trained with "
+        "other shapes": (["--limit", "60", "--image-size", "60x80"], "run e2e was trained with "
                          "other shapes than asked (image_size [40, 60] -> [60, 80])"),
     }
 
@@ -129,12 +130,12 @@ def refused(cluster, storage, trained, tmp_path_factory):
     where before/after are its checkpoints' and published files' fingerprints."""
     cases = bad_inputs(tmp_path_factory.mktemp("bad"))
     assert list(cases) == CASES
-    models = storage.parent / f"models-{trained}"
-    before = fingerprint(storage, trained), snapshot(models)
-    procs = cluster.submit_all(JOB, {case: [*TINY, "--storage-path", str(storage), "--name", trained,
+    models = storage.parent / "models-e2e"
+    before = fingerprint(storage, "e2e"), snapshot(models)
+    procs = cluster.submit_all(JOB, {case: [*TINY, "--storage-path", str(storage), "--name", "e2e",
                                             "--output", str(models), *args]
                                      for case, (args, _) in cases.items()})
-    after = fingerprint(storage, trained), snapshot(models)
+    after = fingerprint(storage, "e2e"), snapshot(models)
     return before, after, {case: (procs[case], message) for case, (_, message) in cases.items()}
 
 

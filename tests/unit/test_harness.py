@@ -47,12 +47,30 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("args,line", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
-def test_a_bad_flag_is_one_line_and_nothing_is_written(tmp_path, args, line):
-    proc = job("ddp_autoencoder", *TINY_AE, *args, home=tmp_path)
+def test_a_bad_flag_is_one_line_exit_2_and_nothing_is_written(tmp_path):
+    """As a user starts it: `python jobs/ddp_autoencoder.py --epochs 0`."""
+    proc = job("ddp_autoencoder", *TINY_AE, "--epochs", "0", home=tmp_path)
     assert proc.returncode == 2
-    errors = proc.stderr.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith("ddp_autoencoder: error: argument "), proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "ddp_autoencoder: error: argument --epochs: 0 must be at least 1; see --help"]
+    assert list(tmp_path.iterdir()) == []  # no run folder, no model, no data
+
+
+@pytest.mark.parametrize("args,line", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_each_bad_flag_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, capsys, args, line):
+    """Every bad flag through the job file's entry point, in this process (the one above shows it is
+    the same as a user's command line)."""
+    from ddp_autoencoder import DDPAutoencoder
+
+    from trainkit.job import run_from_command_line
+
+    monkeypatch.setenv("DLC_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        run_from_command_line(DDPAutoencoder(), [*TINY_AE, *args])
+    assert exited.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("ddp_autoencoder: error: argument "), errors
     assert line in errors[0]
     assert list(tmp_path.iterdir()) == []  # no run folder, no model, no data
 
