@@ -1,7 +1,7 @@
 """make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
-operator does with it: the README's job through the tunnel, a second operator (their own config
-folder) while a job runs, attach, the running-jobs guard failing closed, the engine restarted
-under Ray, a second cluster-up, a node that goes down and comes back, a node killed mid-run, the
+operator does with it: the README's job through the tunnel, attach, the running-jobs guard
+failing closed, the engine restarted under Ray, a changed setting and an interrupted run, a second
+operator (their own config folder) while a job runs, whose full run changes nothing, a node that goes down and comes back, a node killed mid-run, the
 head's Ray restarted, make smoke (after those failures), a changed host key, bad inventories,
 rotate-token, cluster-down. In file order."""
 
@@ -218,47 +218,6 @@ def tunnel_api(port: int, path: str, token: str) -> tuple[int, object]:
         return e.code, None
 
 
-def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_holder(emulated, tmp_path):
-    """Operator B (an empty config folder, the same key) runs cluster-up while A's job runs: B gets
-    the cluster's token from the head, nothing restarts, A's job and A's token go on. Operator C
-    starts while B's run holds the head's lock: one line naming B's run, nothing changed."""
-    before = ray_pids(emulated)
-    b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
-    b_log = Path(b["DLC_CONFIG"]) / "clusters/emulated/up.log"
-    with held_job(emulated) as job:
-        b_run = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=b, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while not re.search(r"Take the cluster's lock on the head \(held until this run ends\)\] \**\nok:",
-                            b_log.read_text() if b_log.exists() else ""):
-            assert time.time() < deadline and b_run.poll() is None, b_log.read_text()[-3000:]
-            time.sleep(0.5)
-        c_run = run(["scripts/cluster.sh", "up"], c, timeout=300)
-        b_out, b_err = b_run.communicate(timeout=900)
-        try:
-            assert b_run.returncode == 0, b_out[-3000:] + b_err[-2000:]
-            assert {h: v["changed"] for h, v in recap(b_out).items() if h != "localhost"} == \
-                {h: 0 for h in ("bastion", *NODES)}, b_out[-2000:]
-            token_file = Path(b["DLC_CONFIG"]) / "clusters/emulated/ray_token"
-            token_b = token_file.read_text().strip()
-            assert token_b == emulated.token()  # the cluster's, fetched; never a second one
-            assert oct(token_file.stat().st_mode & 0o777) == "0o600"
-            assert token_b not in b_out + b_err  # never printed
-            assert ray_pids(emulated) == before and job_status(emulated, job) == "RUNNING"
-            assert tunnel_api(8276, f"/api/jobs/{job}", token_b)[1]["status"] == "RUNNING"  # B sees A's job
-        finally:
-            close_tunnel(b)
-        last = c_run.stderr.strip().splitlines()[-1]
-        print(last)
-        assert c_run.returncode != 0 and last.startswith("cluster-up: error: another run is changing cluster "
-                                                         "emulated: "), last
-        assert re.search(r": \S+@\S+ pid \d+ \(cluster-up\) since \d{4}-\d\d-\d\d [\d:]+ \S+ holds its lock "
-                         r"on node-1; wait for it to end", last) and "nothing was changed" in last, last
-        assert "PLAY [Nodes" not in c_run.stdout and untouched(c_run)
-        assert job_status(emulated, job) == "RUNNING"
-        assert emulated.api("/api/jobs/", emulated.token())[0] == 200
-
-
 def test_attach_uses_a_running_cluster_and_changes_no_server(emulated, tmp_path):
     d = operator(emulated, tmp_path, "d", 8278)
     with held_job(emulated) as job:
@@ -331,8 +290,9 @@ def test_the_engine_restarts_under_ray_and_ray_goes_on(emulated):
 def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converges(emulated, tmp_path):
     """A cluster-up that would restart Ray while a job runs stops with one line and leaves Ray (and
     the job) alone; its written files are not forgotten: the next run, stopped mid-way by a signal,
-    then run again, converges (the next test: a further run changes nothing). The job that holds
-    the cluster sleeps: what is proved is that a running job is waited for, not training."""
+    then run again, converges (the next test: a further full run changes nothing on any server).
+    The job that holds the cluster sleeps: what is proved is that a running job is waited for, not
+    training."""
     before = ray_pids(emulated)
     changed = _inventory(tmp_path, "emulated", EMULATED.replace("ray_object_store_memory: 536870912",
                                                                 "ray_object_store_memory: 600000000"))
@@ -387,12 +347,47 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert ray_pids(emulated) != before
 
 
-def test_second_cluster_up_changes_nothing(emulated):
-    again = emulated.cluster("up")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
-    hosts = recap(again.stdout)
-    assert set(hosts) == {"localhost", "bastion", *NODES}
-    assert {h: v["changed"] for h, v in hosts.items()} == {h: 0 for h in hosts}, hosts
+def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_holder(emulated, tmp_path):
+    """Operator B (an empty config folder, the same key) runs cluster-up while A's job runs: B gets
+    the cluster's token from the head, nothing restarts, A's job and A's token go on, and B's full
+    run changes nothing on any server (after the previous test's interrupted run converged; the
+    jump-host test's second run shows the same of the control host's files). Operator C
+    starts while B's run holds the head's lock: one line naming B's run, nothing changed."""
+    before = ray_pids(emulated)
+    b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
+    b_log = Path(b["DLC_CONFIG"]) / "clusters/emulated/up.log"
+    with held_job(emulated) as job:
+        b_run = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=b, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not re.search(r"Take the cluster's lock on the head \(held until this run ends\)\] \**\nok:",
+                            b_log.read_text() if b_log.exists() else ""):
+            assert time.time() < deadline and b_run.poll() is None, b_log.read_text()[-3000:]
+            time.sleep(0.5)
+        c_run = run(["scripts/cluster.sh", "up"], c, timeout=300)
+        b_out, b_err = b_run.communicate(timeout=900)
+        try:
+            assert b_run.returncode == 0, b_out[-3000:] + b_err[-2000:]
+            assert {h: v["changed"] for h, v in recap(b_out).items() if h != "localhost"} == \
+                {h: 0 for h in ("bastion", *NODES)}, b_out[-2000:]
+            token_file = Path(b["DLC_CONFIG"]) / "clusters/emulated/ray_token"
+            token_b = token_file.read_text().strip()
+            assert token_b == emulated.token()  # the cluster's, fetched; never a second one
+            assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+            assert token_b not in b_out + b_err  # never printed
+            assert ray_pids(emulated) == before and job_status(emulated, job) == "RUNNING"
+            assert tunnel_api(8276, f"/api/jobs/{job}", token_b)[1]["status"] == "RUNNING"  # B sees A's job
+        finally:
+            close_tunnel(b)
+        last = c_run.stderr.strip().splitlines()[-1]
+        print(last)
+        assert c_run.returncode != 0 and last.startswith("cluster-up: error: another run is changing cluster "
+                                                         "emulated: "), last
+        assert re.search(r": \S+@\S+ pid \d+ \(cluster-up\) since \d{4}-\d\d-\d\d [\d:]+ \S+ holds its lock "
+                         r"on node-1; wait for it to end", last) and "nothing was changed" in last, last
+        assert "PLAY [Nodes" not in c_run.stdout and untouched(c_run)
+        assert job_status(emulated, job) == "RUNNING"
+        assert emulated.api("/api/jobs/", emulated.token())[0] == 200
 
 
 def test_a_node_that_is_down_is_named_and_nothing_is_changed(emulated):
