@@ -24,6 +24,8 @@ JOB             ?= ddp_autoencoder
 ARGS            ?=
 # extra flags for pytest
 PYTEST_ARGS     ?=
+# the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
+UNIT_PROCS      ?= auto
 # make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn)
 TEST_LANES      ?= lint,unit,cluster,image,emulated,gpu
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
@@ -82,7 +84,7 @@ check: setup ## lint and the unit tier, with the same table and closing line (mi
 	@$(PY) scripts/test_suite.py lint,unit
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
-	@$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/unit -n $(UNIT_PROCS) --maxprocesses 4 $(PYTEST_ARGS)
 
 test-cluster: setup ## jobs end to end on a throwaway local 2-node cluster via ray job submit
 	@$(PY) -m pytest tests/cluster $(PYTEST_ARGS)

@@ -22,7 +22,7 @@ if [ ! -f "$venv/.complete" ]; then
   reqs=$("$PYTHON" scripts/envkey.py --requirements)
   # The wheelhouse of these pins (`make wheels`, also what the image installs from), when there
   # is one: pip takes its wheels from there first (an air-gapped host can carry it over).
-  house="$CACHE/wheelhouse/$key"
+  house="$CACHE/wheelhouse/$("$PYTHON" scripts/envkey.py --runtime-key)"
   links=()
   if [ -f "$house/.complete" ]; then links=(--find-links "$house"); fi
   # shellcheck disable=SC2086  # one requirement a word, none has spaces

@@ -4,7 +4,8 @@
 #
 # usage: scripts/wheelhouse.sh [--link DIR]
 #   prints the wheelhouse's path: $DLC_CACHE/wheelhouse/<key>, where the key
-#   is the environment's (scripts/envkey.py: Python version + pins). It holds
+#   is the runtime's (scripts/envkey.py --runtime-key: Python version, the runtime pins and
+#   versions.env's pip and Horovod sdist; the test tools' pins are not in it). It holds
 #     *.whl               the pins in pyproject.toml and everything they pull in, plus pip,
 #                         setuptools and wheel (pip wheel: an sdist-only package becomes a wheel);
 #     requirements.txt    what the image installs: the runtime pins, one a line;
@@ -43,7 +44,7 @@ while [ $# -gt 0 ]; do
 done
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install $DEFAULT_PYTHON (versions.env) or set PYTHON=/path/to/$DEFAULT_PYTHON"
 
-key=$("$PYTHON" scripts/envkey.py)
+key=$("$PYTHON" scripts/envkey.py --runtime-key)
 house=$CACHE/wheelhouse/$key
 
 if [ ! -f "$house/.complete" ]; then
@@ -58,7 +59,7 @@ for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
 EOF
   # Horovod's own run-time needs (it is compiled, not in the pins) and the build tools.
   printf '%s\n' cloudpickle psutil pyyaml packaging cffi >>"$house/requirements.txt"
-  venv=$CACHE/venv-$key
+  venv=$CACHE/venv-$("$PYTHON" scripts/envkey.py)  # the client's virtualenv, when it is built
   if [ -f "$venv/.complete" ]; then
     "$venv/bin/python" -m pip freeze --exclude-editable | grep -E '^[A-Za-z0-9_.-]+==' >"$house/constraints.txt"
   else

@@ -1,9 +1,9 @@
 """make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
 operator does with it: the README's job through the tunnel, attach, the running-jobs guard
 failing closed, the engine restarted under Ray, a changed setting and an interrupted run, a second
-operator (their own config folder) while a job runs, whose full run changes nothing, a node that goes down and comes back, a node killed mid-run, the
-head's Ray restarted, make smoke (after those failures), a changed host key, bad inventories,
-rotate-token, cluster-down. In file order."""
+operator (their own config folder) while a job runs, whose full run changes nothing, a node that
+goes down and comes back, a node killed mid-run, the head's Ray restarted, make smoke (after those
+failures), a changed host key, bad inventories, rotate-token, cluster-down. In file order."""
 
 from __future__ import annotations
 
@@ -544,7 +544,8 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         ports = {port for _, port in now}
         outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODES["node-1"]], ports | {22})
         inside |= probe("dlc-emu-bastion", [NODES["node-1"]], ports)
-        time.sleep(4)  # each trainer runs for half a minute or more: a few looks each, on 2 cores
+        time.sleep(8)  # each trainer runs for half a minute or more: a few looks each, fewer docker
+        # execs taking CPU from the trainers (a look is three, on 2 cores)
     smoke.wait(timeout=60)
     reader.join(timeout=30)
     print("".join(out_lines)[-6000:])
