@@ -27,7 +27,7 @@ PYTEST_ARGS     ?=
 # the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
 UNIT_PROCS      ?= auto
 # make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn)
-TEST_LANES      ?= lint,unit,cluster,image,emulated,gpu
+TEST_LANES      ?= lint,unit,gpu,image,cluster,emulated
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
@@ -77,7 +77,7 @@ submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job s
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)
 
-test: setup ## every tier (TEST_LANES: lint, unit, local cluster, image, emulated, GPU in turn), a table, then `N passed, N failed, N skipped`
+test: setup ## every tier, cheapest first (TEST_LANES: lint, unit, GPU, image, local cluster, emulated), a table, then `N passed, N failed, N skipped`
 	@$(PY) scripts/test_suite.py $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)

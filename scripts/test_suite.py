@@ -9,8 +9,8 @@ Every tier runs even after one failed, so the table is whole; the exit code is n
 tier failed, errored, or ran no test. The last line printed is the suite's
 `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint,unit,cluster,image,emulated,gpu    # make test
-    python scripts/test_suite.py lint,unit,cluster,image,gpu emulated    # two lanes side by side
+    python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated    # make test
+    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated    # two lanes side by side
     python scripts/test_suite.py lint,unit                               # make check
 """
 
