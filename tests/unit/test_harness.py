@@ -156,13 +156,14 @@ def test_plain_launchers_refuse_a_uri_storage():
 # ------------------------------------------------------------------ timing
 def test_phases_add_up_to_the_epoch():
     timer = PhaseTimer()
-    for _ in timer.batches(iter_slowly(3, 0.02)):
+    # phases long enough that 5 % of the epoch (about 35 ms) outlasts a time slice lost to a busy machine
+    for _ in timer.batches(iter_slowly(3, 0.08)):
         with timer.phase("processing_s"):
-            time.sleep(0.03)
+            time.sleep(0.12)
     with timer.phase("validation_s"):
-        time.sleep(0.02)
+        time.sleep(0.08)
     s = timer.done()
-    assert s["dataflow_s"] >= 0.06 and s["processing_s"] >= 0.09 and s["validation_s"] >= 0.02
+    assert s["dataflow_s"] >= 0.24 and s["processing_s"] >= 0.36 and s["validation_s"] >= 0.08
     parts = s["dataflow_s"] + s["processing_s"] + s["validation_s"]
     assert abs(parts - s["epoch_s"]) <= 0.05 * s["epoch_s"]
 
@@ -208,7 +209,9 @@ def test_each_job_alone_publishes_and_resumes_after_epoch_one(tmp_path, name, ar
     for key in ("dataflow_s", "processing_s", "validation_s", "epoch_s", "samples_per_s", "val_loss"):
         assert metrics[key] >= 0, key
     parts = metrics["dataflow_s"] + metrics["processing_s"] + metrics["validation_s"]
-    assert abs(parts - metrics["epoch_s"]) <= 0.05 * metrics["epoch_s"], metrics
+    # the few untimed lines between phases may lose the CPU on a busy machine (the unit tier runs
+    # on every core): 5 % of this 0.3-s epoch is 15 ms, less than one time slice; 16 ms once failed
+    assert abs(parts - metrics["epoch_s"]) <= max(0.05 * metrics["epoch_s"], 0.05), metrics
     record = json.loads((tmp_path / "runs" / "r" / "published.json").read_text())
     assert Path(record["manifest"]) == (tmp_path / "models" / "r" / "manifest.json").resolve()
 
