@@ -14,6 +14,9 @@ import tomllib
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(root))
+from trainkit import versions  # noqa: E402  (the standard library only: runs before any venv)
+
 project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
 reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
 # versions.env's lines for the wheelhouse's other files
@@ -29,8 +32,7 @@ if "--runtime" in sys.argv:
 elif "--requirements" in sys.argv:
     print(" ".join(reqs))
 elif "--runtime-key" in sys.argv:
-    pins = [ln.strip() for ln in (root / "versions.env").read_text().splitlines()
-            if ln.strip().split("=")[0] in WHEELHOUSE_PINS]
-    print(key(*project["dependencies"], *sorted(pins)))
+    pins = versions.values(root / "versions.env")
+    print(key(*project["dependencies"], *sorted(f"{name}={pins[name]}" for name in WHEELHOUSE_PINS)))
 else:
     print(key(*reqs))

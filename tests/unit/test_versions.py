@@ -63,6 +63,9 @@ def test_the_wheelhouse_key_changes_with_the_runtime_not_with_a_test_tool(tmp_pa
 
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts/envkey.py", tmp_path / "scripts")
+    (tmp_path / "trainkit").mkdir()  # envkey.py reads versions.env through trainkit/versions.py
+    for name in ("__init__.py", "versions.py"):
+        shutil.copy(REPO / "trainkit" / name, tmp_path / "trainkit")
     pyproject, env = (REPO / "pyproject.toml").read_text(), (REPO / "versions.env").read_text()
 
     def keys(pyproject_text: str, env_text: str) -> tuple[str, str]:
