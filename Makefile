@@ -47,14 +47,17 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup cluster-up cluster-status cluster-down attach rotate-token submit demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: ## make the pinned virtualenv (.venv; cached, seconds when nothing changed)
+setup: ## make the virtualenv from requirements.lock, hashes checked (.venv; cached, seconds when nothing changed)
 	@scripts/setup.sh
+
+lock: ## after changing a pin in pyproject.toml: requirements.lock and docker/tf-cuda.lock, with hashes (uv)
+	@scripts/lock.sh
 
 cluster-up: setup ## INVENTORY set: provision its servers through the bastion, start Ray, open the tunnel; else a local cluster
 	@scripts/cluster.sh up
@@ -124,7 +127,7 @@ CA_BUNDLE  ?=
 export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE
 .PHONY: wheels image-base image image-test test-image image-report
 
-wheels: setup ## the wheelhouse of the pinned stack that image builds install from (no index)
+wheels: setup ## the wheelhouse of the lock's runtime part that image builds install from (no index)
 	@scripts/wheelhouse.sh
 
 image-base: ## a Debian base image with no registry: debootstrap + docker import (versions.env's PIN_CPU_BASE_IMAGE)

@@ -109,7 +109,7 @@ b0=$SECONDS
 set +e
 "$DOCKER" build --progress=plain -f docker/Dockerfile -t "$IMAGE" "${secret[@]}" \
   --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON="python$pyver" --build-arg PYTHON_VERSION="$pyver" \
-  --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
+  --build-arg PIN_PIP="$PIN_PIP" --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
   tee "$log" | grep --line-buffered -E '^#[0-9]+ (\[[a-z]+ +[0-9]+/[0-9]+\]|CACHED$)|ERROR' | show_steps
 rc=${PIPESTATUS[0]}
 set -e

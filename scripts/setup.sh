@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make setup: the project's virtualenv at .venv, a link to a cached venv keyed by what it holds
-# (Python version + the pins in pyproject.toml + the Horovod build inputs). The first run
-# builds it (minutes: torch alone is 5.5 GB); every later run with the same key takes seconds.
+# (Python version, pip's pin and requirements.lock; Horovod's wheel is cached by its own key). The
+# first run builds it from the lock, every file checked against its hash (minutes: torch alone is
+# 5.5 GB); every later run with the same key takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ./versions.env  # DEFAULT_PYTHON, PIN_PIP, PIN_HOROVOD, ... (the one place for each)
@@ -19,14 +20,15 @@ if [ ! -f "$venv/.complete" ]; then
   mkdir -p "$CACHE"
   "$PYTHON" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade "pip==$PIN_PIP"
-  reqs=$("$PYTHON" scripts/envkey.py --requirements)
-  # The wheelhouse of these pins (`make wheels`, also what the image installs from), when there
+  # the whole lock, with its hashes: pip checks every file it installs (hash-checking mode)
+  "$PYTHON" scripts/envkey.py --requirements >"$venv/requirements.txt"
+  # The wheelhouse of this lock (`make wheels`, also what the image installs from), when there
   # is one: pip takes its wheels from there first (an air-gapped host can carry it over).
   house="$CACHE/wheelhouse/$("$PYTHON" scripts/envkey.py --runtime-key)"
   links=()
   if [ -f "$house/.complete" ]; then links=(--find-links "$house"); fi
-  # shellcheck disable=SC2086  # one requirement a word, none has spaces
-  "$venv/bin/python" -m pip install --progress-bar off "${links[@]}" $reqs
+  "$venv/bin/python" -m pip install --progress-bar off --require-hashes --no-deps "${links[@]}" \
+    -r "$venv/requirements.txt"
   "$venv/bin/python" -m pip check
   touch "$venv/.complete"
   ln -sfn "$venv" .venv

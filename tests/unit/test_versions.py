@@ -53,34 +53,3 @@ def test_every_pin_is_read_somewhere():
 def test_values_are_plain_for_make_shell_and_ansible():
     for pin, value in versions.values().items():
         assert re.fullmatch(r"[A-Z][A-Z0-9_]*", pin) and re.fullmatch(r"[\w.:/+-]+", value), (pin, value)
-
-
-def test_the_wheelhouse_key_changes_with_the_runtime_not_with_a_test_tool(tmp_path):
-    """The virtualenv's key follows every pin; the wheelhouse's (the images') only the runtime's
-    and versions.env's pip and Horovod sdist: a new test tool rebuilds no image."""
-    import shutil
-    import sys
-
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(REPO / "scripts/envkey.py", tmp_path / "scripts")
-    (tmp_path / "trainkit").mkdir()  # envkey.py reads versions.env through trainkit/versions.py
-    for name in ("__init__.py", "versions.py"):
-        shutil.copy(REPO / "trainkit" / name, tmp_path / "trainkit")
-    pyproject, env = (REPO / "pyproject.toml").read_text(), (REPO / "versions.env").read_text()
-
-    def keys(pyproject_text: str, env_text: str) -> tuple[str, str]:
-        (tmp_path / "pyproject.toml").write_text(pyproject_text)
-        (tmp_path / "versions.env").write_text(env_text)
-        run = [sys.executable, str(tmp_path / "scripts/envkey.py")]
-        return tuple(subprocess.run([*run, *flag], check=True, capture_output=True, text=True).stdout.strip()
-                     for flag in ([], ["--runtime-key"]))
-
-    venv, house = keys(pyproject, env)
-    assert keys(pyproject, env) == (venv, house)
-    tool = keys(pyproject.replace('"pytest==', '"pytest-other==1.0",\n    "pytest=='), env)
-    assert tool[0] != venv and tool[1] == house
-    runtime = keys(pyproject.replace('"tqdm==', '"tqdm-other==1.0",\n    "tqdm=='), env)
-    assert runtime[0] != venv and runtime[1] != house
-    pip = versions.values()["PIN_PIP"]
-    assert keys(pyproject, env.replace(f"PIN_PIP={pip}", "PIN_PIP=1.0"))[1] != house
-    assert keys(pyproject, env + "\n# a comment\n")[1] == house
