@@ -22,7 +22,7 @@ CACHE = cache_dir()
 
 GROUPS = [  # (name, text of the step that made the layer), in build order
     ("OS packages + Python venv", "apt-get"),
-    ("torch + torchvision (+ CUDA wheels)", "grep '^pip=='"),
+    ("torch + torchvision (+ CUDA wheels)", "slim_cuda.sh"),
     ("rest of the stack (tensorflow, ray, onnx...)", "pip check"),
     ("horovod + user", "horovod-*.whl"),
 ]
