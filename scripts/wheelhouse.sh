@@ -44,8 +44,15 @@ command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install $DEFAULT_PYTH
 
 key=$("$PYTHON" scripts/envkey.py --runtime-key)
 house=$CACHE/wheelhouse/$key
+# a collection that runs out of disk leaves pip's log cut short: say so first, before anything
+need_gb() {
+  mkdir -p "$CACHE"
+  local free; free=$(df -Pk "$CACHE" | awk 'NR == 2 {print int($4 / 1048576)}')
+  [ "$free" -ge "$1" ] || die "$free GB free under $CACHE, $2 needs about $1 GB: free some (docker builder prune, docker image prune, an older wheelhouse) and run it again"
+}
 
 if [ ! -f "$house/.complete" ]; then
+  need_gb 5 "collecting the wheelhouse"
   echo "wheelhouse: collecting the locked stack into $house (first time for this lock; minutes)" >&2
   rm -rf "$house"
   mkdir -p "$house"
@@ -78,6 +85,7 @@ if [ ! -f "$house/.complete" ]; then
 fi
 
 if [ "$tf_cuda" = 1 ] && [ ! -f "$house/tf/.complete" ]; then
+  need_gb 4 "TensorFlow's CUDA 12 environment"
   echo "wheelhouse: collecting TensorFlow's CUDA 12 environment into $house/tf (first time; about 3 GB)" >&2
   rm -rf "$house/tf"
   mkdir -p "$house/tf"
