@@ -44,6 +44,8 @@ command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install $DEFAULT_PYTH
 
 key=$("$PYTHON" scripts/envkey.py --runtime-key)
 house=$CACHE/wheelhouse/$key
+# pip download of files, without their dependencies (the lock lists every one), logged in the house
+get() { "$PYTHON" -m pip download --progress-bar off -q --no-deps "$@" >>"$house/pip.log" 2>&1; }
 # a collection that runs out of disk leaves pip's log cut short: say so first, before anything
 need_gb() {
   mkdir -p "$CACHE"
@@ -59,7 +61,6 @@ if [ ! -f "$house/.complete" ]; then
   # what the image installs: the lock's runtime part with its hashes; pip download checks every
   # file against them, wheels only (a package without a wheel for this platform stops here)
   "$PYTHON" scripts/envkey.py --runtime >"$house/requirements.txt"
-  get() { "$PYTHON" -m pip download --progress-bar off -q --no-deps "$@" >>"$house/pip.log" 2>&1; }
   get --require-hashes --only-binary :all: -d "$house" -r "$house/requirements.txt" \
     || die "pip download of the locked runtime failed; log: $house/pip.log"
   get -d "$house" "pip==$PIN_PIP" || die "pip download pip==$PIN_PIP failed; log: $house/pip.log"
@@ -91,8 +92,7 @@ if [ "$tf_cuda" = 1 ] && [ ! -f "$house/tf/.complete" ]; then
   mkdir -p "$house/tf"
   cp docker/tf-cuda.lock "$house/tf/requirements.txt"
   # the CUDA 12 wheels come from the package index; the rest are the house's own files
-  "$PYTHON" -m pip download --progress-bar off -q --no-deps --require-hashes --only-binary :all: \
-    --find-links "$house" -d "$house/tf" -r "$house/tf/requirements.txt" >>"$house/pip.log" 2>&1 \
+  get --require-hashes --only-binary :all: --find-links "$house" -d "$house/tf" -r "$house/tf/requirements.txt" \
     || die "pip download of TensorFlow's CUDA 12 environment failed; log: $house/pip.log"
   for f in "$house"/tf/*.whl; do
     if [ -f "$house/${f##*/}" ]; then ln -f "$house/${f##*/}" "$f"; fi
