@@ -104,6 +104,9 @@ show_steps() {
     if [ -z "${seen[$line]:-}" ]; then seen[$line]=1; echo "${line:0:150}"; fi
   done
 }
+# the image $IMAGE names now: removed once the build has replaced it (with its untagged layers), unless
+# a container or another tag still uses it; each rebuild would otherwise keep 7-17 GB nobody can name
+replaced=$("$DOCKER" image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 echo "image: building $IMAGE from $BASE_IMAGE (log: $log; a first build takes about 10 minutes)"
 b0=$SECONDS
 set +e
@@ -125,5 +128,9 @@ cached=$(grep -Ec '^#[0-9]+ CACHED$' "$log" || true)
 total=$((SECONDS - start))
 printf '%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n' "$(date -u +%FT%TZ)" "$IMAGE" "$BASE_IMAGE" "$total" \
   "$t_base" "$t_wheels" "$t_build" "$steps" "$cached" >>"$CACHE/image-builds.tsv"
+if [ -n "$replaced" ] && [ "$replaced" != "$("$DOCKER" image inspect -f '{{.Id}}' "$IMAGE")" ] \
+   && "$DOCKER" image rm "$replaced" >/dev/null 2>&1; then
+  echo "image: removed the image $IMAGE replaced (${replaced#sha256:})"
+fi
 size=$("$DOCKER" image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')
 echo "image: $IMAGE built in $total s (base $t_base s, wheelhouse $t_wheels s, docker build $t_build s; $cached of $steps steps cached), $size"

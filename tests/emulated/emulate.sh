@@ -88,14 +88,25 @@ wait_sshd() {  # $1 container
   die "sshd did not start in $1; see: $DOCKER exec $1 journalctl -u ssh"
 }
 
+# build server image $1 on base $2; the image the tag named before goes once replaced (a node image
+# keeps its dlcluster:cpu alive: 7 GB per rebuilt project image), unless a container still uses it
+build() {
+  local replaced
+  replaced=$("$DOCKER" image inspect -f '{{.Id}}' "$1" 2>/dev/null || true)
+  "$DOCKER" build -q -t "$1" --build-arg BASE="$2" tests/emulated >/dev/null
+  if [ -n "$replaced" ] && [ "$replaced" != "$("$DOCKER" image inspect -f '{{.Id}}' "$1")" ]; then
+    "$DOCKER" image rm "$replaced" >/dev/null 2>&1 || true
+  fi
+}
+
 up() {
   [ "$(id -u)" = 0 ] || die "the emulated cluster needs root (docker networks, iptables)"
   docker/engine.sh
   "$DOCKER" image inspect dlcluster:cpu >/dev/null 2>&1 \
     || die "no dlcluster:cpu image for the nodes: run make image first"
   say "building the server images (bastion: bare Debian; nodes: the project's image + sshd)"
-  "$DOCKER" build -q -t "$BASTION_IMAGE" --build-arg BASE="$PIN_CPU_BASE_IMAGE" tests/emulated >/dev/null
-  "$DOCKER" build -q -t "$NODE_IMAGE" --build-arg BASE=dlcluster:cpu tests/emulated >/dev/null
+  build "$BASTION_IMAGE" "$PIN_CPU_BASE_IMAGE"
+  build "$NODE_IMAGE" dlcluster:cpu
 
   mkdir -p "$KEYDIR" && chmod 700 "$KEYDIR"
   if [ ! -f "$KEYDIR/id_ed25519" ]; then
