@@ -1,0 +1,162 @@
+"""make doctor's comparisons, from what the nodes of a healthy emulated cluster answered
+(recorded/doctor_emulated.json), changed the way the faults no container can show would change it:
+a clock apart, time sync off, a driver library upgraded under the loaded kernel module, NVML
+failing, GPUs missing. The faults containers can show are injected for real in the emulated tier."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainkit import doctor, doctor_probe, record
+
+RECORDED = json.loads((Path(__file__).parent / "recorded/doctor_emulated.json").read_text())
+REPO = Path(__file__).resolve().parents[2]
+
+
+def setup(gpus: int = 0):
+    rec = record.ClusterRecord.model_validate(RECORDED["record"])
+    answers = copy.deepcopy(RECORDED["nodes"])
+    ray_nodes = copy.deepcopy(RECORDED["ray_nodes"])
+    if gpus:  # node-3 as a GPU server, answering as a healthy one does
+        rec.nodes[2].gpus = gpus
+        for r in ray_nodes:
+            if r["node_ip"] == rec.nodes[2].ip:
+                r["resources_total"]["GPU"] = float(gpus)
+        answers["node-3"]["gpu"] = {
+            "module": "580.95.05", "library": "580.95.05",
+            "nvml": {"rc": 0, "out": "\n".join(f"{i}, NVIDIA H100 80GB HBM3" for i in range(gpus))},
+            "container": {"rc": 0, "out": "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5e1c...)"}}
+    clocks = {k: doctor.Clock(**v) for k, v in RECORDED["clocks"].items()}
+    return rec, answers, ray_nodes, clocks
+
+
+def lines(rec, answers, ray_nodes, clocks, **kw) -> list[str]:
+    return [f.line() for f in doctor.examine(rec, answers, ray_nodes, clocks, **kw)]
+
+
+def test_the_recorded_healthy_cluster_has_no_finding():
+    assert lines(*setup()) == []
+    assert lines(*setup(gpus=1)) == []
+
+
+def test_clocks_apart_by_more_than_a_second_beyond_the_measurement_error():
+    rec, answers, ray_nodes, clocks = setup()
+    clocks["node-2"] = doctor.Clock(offset=3.2, uncertainty=0.02)
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-2: its clock is 3.2 s from the head's (more than 1.0 s): enable time sync on every "
+        "node (chrony or systemd-timesyncd)"]
+    # 1.3 s apart, but measured over a slow link (± 0.2 s each): not proven apart
+    clocks["node-2"] = doctor.Clock(offset=1.3, uncertainty=0.2)
+    clocks["node-1"] = doctor.Clock(offset=0.0, uncertainty=0.2)
+    assert lines(rec, answers, ray_nodes, clocks) == []
+
+
+def test_time_sync_off_is_named_on_a_server_not_in_a_container():
+    rec, answers, ray_nodes, clocks = setup()
+    answers["node-2"]["clock"] = {"container": None, "synchronized": "no"}
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-2: its clock is not synchronised (timedatectl: NTPSynchronized=no): enable time sync "
+        "(sudo apt install chrony, or systemd-timesyncd)"]
+    answers["node-2"]["clock"] = {"container": None, "synchronized": "yes"}
+    assert lines(rec, answers, ray_nodes, clocks) == []
+
+
+def test_a_driver_upgraded_under_the_loaded_module():
+    rec, answers, ray_nodes, clocks = setup(gpus=1)
+    # what nvidia-smi prints (exit 18) after unattended-upgrades replaced the driver's libraries
+    answers["node-3"]["gpu"].update(library="580.105.08", nvml={
+        "rc": 18, "out": "Failed to initialize NVML: Driver/library version mismatch\n"
+                         "NVML library version: 580.105"})
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-3: the driver library is 580.105.08 but the loaded kernel module is 580.95.05 "
+        "(upgraded under the running module): drain the node (make doctor QUARANTINE=1 when it "
+        "exists) and reboot it; hold the driver packages against unattended upgrades",
+        "node-3: nvidia-smi fails (exit 18): Failed to initialize NVML: Driver/library version "
+        "mismatch: reboot the node; if it "
+        "persists, reinstall the driver (make cluster-up)"]
+
+
+def test_no_module_loaded_missing_gpus_and_a_gpu_container_that_does_not_start():
+    rec, answers, ray_nodes, clocks = setup(gpus=2)
+    answers["node-3"]["gpu"]["module"] = None
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-3: no NVIDIA kernel module is loaded: reboot the node after the driver install (or "
+        "sudo modprobe nvidia)"]
+    rec, answers, ray_nodes, clocks = setup(gpus=2)
+    answers["node-3"]["gpu"]["nvml"]["out"] = "0, NVIDIA H100 80GB HBM3"
+    answers["node-3"]["gpu"]["container"] = {
+        "rc": 125, "out": "docker: Error response from daemon: could not select device driver \"\" "
+                          "with capabilities: [[gpu]]."}
+    found = lines(rec, answers, ray_nodes, clocks)
+    assert found[0] == ("node-3: nvidia-smi lists 1 GPUs, the cluster record 2: check the GPUs "
+                        "(nvidia-smi -q) or set ray_num_gpus in the inventory")
+    assert found[1].startswith("node-3: a GPU container does not start (docker: Error response")
+    assert len(found) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  Tue Sep 23 09:41:04 UTC 2025\n"
+    "GCC version:  gcc version 11.4.0 (Ubuntu 11.4.0-1ubuntu1~22.04)",
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  "
+    "(dvs-builder@U16-I3-B13-4-3)  Tue Sep 23 09:41:04 UTC 2025"])
+def test_the_loaded_modules_version_is_read_from_proc(text):
+    assert doctor_probe.module_version(text) == "580.95.05"
+    assert doctor_probe.module_version("") is None
+
+
+def test_versions_python_minor_and_the_image():
+    rec, answers, ray_nodes, clocks = setup()
+    answers["node-2"]["versions"]["python"] = "3.11.9"  # patch level: Ray's match level is minor
+    assert lines(rec, answers, ray_nodes, clocks) == []
+    answers["node-2"]["versions"].update(python="3.12.3", horovod=None)
+    answers["node-3"]["versions"]["torch"] = "2.13.0"
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-2: Python 3.12.3, the head runs 3.11.2 (Ray needs the same minor version): run make "
+        "cluster-up again (it installs the lock's versions everywhere)",
+        "node-2: horovod missing, the head runs 0.28.1: run make cluster-up again (it installs the "
+        "lock's versions everywhere)",
+        "node-3: torch 2.13.0, the head runs 2.14.1: run make cluster-up again (it installs the "
+        "lock's versions everywhere)"]
+
+
+def test_network_and_resources():
+    rec, answers, ray_nodes, clocks = setup()
+    answers["node-2"]["interface"]["mtu"] = 9000
+    ray_nodes[0]["resources_total"]["CPU"] = 1.0  # node-3 started with fewer CPUs than recorded
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-2: MTU 9000 on eth0, the head's private interface has 1500: set the same MTU on every "
+        "node's private interface (a mismatch stalls large all-reduce messages)",
+        "node-3: Ray offers 1 CPUs and 0 GPUs, the cluster record 2 and 0: run make cluster-up "
+        "again (it restarts Ray with the inventory's resources)"]
+    answers["node-2"]["interface"] = None
+    assert lines(rec, answers, ray_nodes, clocks)[0] == (
+        "node-2: no interface holds its private address 172.31.251.12: fix the node's network or "
+        "its `ip` in the inventory, then make cluster-up")
+
+
+def test_a_node_that_does_not_answer_and_free_space():
+    rec, answers, ray_nodes, clocks = setup()
+    answers["node-2"] = {"error": "exit 255: ssh: connect to host 172.31.251.12 port 22: No route to host"}
+    answers["node-3"]["free"]["docker"] = int(1.5e9)
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        "node-2: no answer through the bastion (exit 255: ssh: connect to host 172.31.251.12 port "
+        f"22: No route to host): check the machine is up and reachable: ssh -F {rec.ssh_config} node-2",
+        "node-3: 1.5 GB free under Docker data root, below 2.0 GB: free space there (docker image "
+        "prune, old Ray logs under its temp dir)"]
+
+
+def test_a_local_cluster_is_one_line(tmp_path):
+    local = {**RECORDED["record"], "kind": "local", "name": "local", "ssh_config": None, "bastion": None}
+    (tmp_path / record.RECORD).write_text(json.dumps(local))
+    proc = subprocess.run([sys.executable, "-m", "trainkit.doctor"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "DLC_CONFIG": str(tmp_path)}, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("doctor: error: the current cluster 'local' is a local one: make doctor "
+                           "checks servers brought up from an inventory (make cluster-up INVENTORY=...)\n")

@@ -1,0 +1,335 @@
+"""make doctor: a bad node told from a bad job. Every node of the current cluster (its record) is
+asked at once, through the bastion, what trainkit/doctor_probe.py reads there; the answers are
+compared with the head's and with the record, and each problem is one line: the node, what is
+wrong, the fix. Exit 1 on any finding; the whole report is clusters/<name>/doctor.json.
+
+    python -m trainkit.doctor [--min-free-gb 2] [--max-clock-offset 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from . import record
+from .errors import EXIT_USER_ERROR, UserError
+
+PROBE = Path(__file__).with_name("doctor_probe.py")
+REPORT = "doctor.json"
+PACKAGES = ("ray", "torch", "horovod", "tensorflow")
+
+
+class Finding(BaseModel):
+    node: str
+    what: str
+    fix: str
+
+    def line(self) -> str:
+        return " ".join(f"{self.node}: {self.what}: {self.fix}".split())  # one line, always
+
+
+class Clock(BaseModel):
+    """A node's clock against this machine's: offset ± uncertainty (half the round trip), seconds."""
+    offset: float
+    uncertainty: float
+
+
+# ---- the comparisons: pure functions of the answers, tested from recorded answers
+
+def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list[dict] | None,
+            clocks: dict[str, Clock], min_free_gb: float = 2.0,
+            max_clock_offset: float = 1.0) -> list[Finding]:
+    head = next(n for n in rec.nodes if n.role == "head")
+    ref = answers.get(head.name) or {}
+    found: list[Finding] = []
+
+    def say(node: str, what: str, fix: str) -> None:
+        found.append(Finding(node=node, what=what, fix=fix))
+
+    docker_ref = next((answers[n.name]["versions"].get("image") for n in rec.nodes
+                       if n.runtime == "docker" and "versions" in answers.get(n.name, {})), None)
+    alive = {n.get("node_ip"): n for n in (ray_nodes or []) if n.get("state") == "ALIVE"}
+    for node in rec.nodes:
+        a = answers.get(node.name)
+        if a is None or "error" in a:
+            say(node.name, f"no answer through the bastion ({(a or {}).get('error', 'not asked')})",
+                f"check the machine is up and reachable: ssh -F {rec.ssh_config} {node.name}")
+            continue
+        if a["service"] != "active":
+            say(node.name, f"Ray's service dlc-ray is {a['service']}",
+                f"sudo systemctl restart dlc-ray on {node.name} (journalctl -u dlc-ray says why it stopped)")
+        elif ray_nodes is not None:
+            r = alive.get(node.ip)
+            if r is None:
+                say(node.name, f"its Ray service runs but the head does not list {node.ip} alive",
+                    f"journalctl -u dlc-ray on {node.name} (a firewall or the GCS port between them?)")
+            else:
+                res = r.get("resources_total") or {}
+                cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
+                if (cpus, gpus) != (node.cpus, node.gpus):
+                    say(node.name, f"Ray offers {cpus} CPUs and {gpus} GPUs, the cluster record "
+                        f"{node.cpus} and {node.gpus}", "run make cluster-up again (it restarts Ray "
+                        "with the inventory's resources)")
+        fw = a["firewall"]
+        if fw["load"] == "loaded" and (fw["active"] != "active" or not fw["chain"]):
+            say(node.name, f"the firewall service is {fw['active']} and its rules "
+                f"{'are' if fw['chain'] else 'are not'} in INPUT",
+                f"sudo systemctl restart dlc-firewall on {node.name} (then dlc-ray, which requires it)")
+        tok = a["token"]
+        if "error" in tok:
+            say(node.name, f"no Ray token ({tok['error']})", "run make cluster-up again")
+        elif tok["owner"] != "root" or tok["mode"] != "0640":
+            say(node.name, f"the Ray token is {tok['owner']}:{tok['group']} {tok['mode']}, not "
+                "root-owned 0640", "run make cluster-up again (it sets owner and mode)")
+        found += _network(node, a, ref)
+        found += _versions(node, a, ref, head.name, docker_ref)
+        found += _storage(node, a, (a.get("storage") or {}).get("path"), min_free_gb)
+        for where, free in (a.get("free") or {}).items():
+            if free is not None and free < min_free_gb * 1e9:
+                say(node.name, f"{free / 1e9:.1f} GB free under "
+                    f"{'/tmp' if where == 'tmp' else 'Docker data root'}, below {min_free_gb} GB",
+                    "free space there (docker image prune, old Ray logs under its temp dir)")
+        found += _clock(node, a, clocks, head.name, max_clock_offset)
+        if node.gpus:
+            found += _gpu(node, a)
+    return found
+
+
+def _network(node, a, ref) -> list[Finding]:
+    out = []
+    iface = a.get("interface")
+    if iface is None:
+        return [Finding(node=node.name, what=f"no interface holds its private address {node.ip}",
+                        fix="fix the node's network or its `ip` in the inventory, then make cluster-up")]
+    ref_iface = ref.get("interface") or {}
+    if ref_iface.get("mtu") and iface["mtu"] != ref_iface["mtu"]:
+        out.append(Finding(node=node.name, what=f"MTU {iface['mtu']} on {iface['name']}, the head's "
+                           f"private interface has {ref_iface['mtu']}",
+                           fix="set the same MTU on every node's private interface (a mismatch "
+                               "stalls large all-reduce messages)"))
+    for where, settings in (("/etc/dlcluster/ray.env", a["collective"]["file"]),
+                            ("Ray's running processes", a["collective"]["running"])):
+        for key, value in (settings or {}).items():
+            if value != iface["name"]:
+                out.append(Finding(
+                    node=node.name, what=f"{key}={value} in {where}, but its private address "
+                    f"{node.ip} is on {iface['name']}",
+                    fix="run make cluster-up again (it writes the interface holding the private "
+                        "address and restarts Ray when no job runs)"))
+    return out
+
+
+def _versions(node, a, ref, head_name, docker_ref) -> list[Finding]:
+    v, rv = a.get("versions") or {}, ref.get("versions") or {}
+    if "error" in v:
+        return [Finding(node=node.name, what=f"its Python environment does not answer ({v['error']})",
+                        fix="run make cluster-up again (it installs the environment)")]
+    out = []
+    fix = "run make cluster-up again (it installs the lock's versions everywhere)"
+    if node.name != head_name:
+        minor = lambda s: ".".join((s or "?").split(".")[:2])  # noqa: E731 - Ray's match level
+        if minor(v.get("python")) != minor(rv.get("python")):
+            out.append(Finding(node=node.name, what=f"Python {v.get('python')}, the head runs "
+                               f"{rv.get('python')} (Ray needs the same minor version)", fix=fix))
+        for p in PACKAGES:
+            if v.get(p) != rv.get(p):
+                out.append(Finding(node=node.name, what=f"{p} {v.get(p) or 'missing'}, the head "
+                                   f"runs {rv.get(p) or 'none'}", fix=fix))
+    if node.runtime == "docker" and v.get("image") != docker_ref:
+        out.append(Finding(node=node.name, what=f"Ray runs image {str(v.get('image'))[:19]}, the "
+                           f"other docker nodes {str(docker_ref)[:19]}", fix=fix))
+    return out
+
+
+def _storage(node, a, path, min_free_gb) -> list[Finding]:
+    s = a.get("storage")
+    if not path or s is None:
+        return []
+
+    def f(what, fix):
+        return [Finding(node=node.name, what=what, fix=fix)]
+    mount = f"{path} (findmnt: {s.get('mount') or 'nothing'})"
+    if "stale" in s:
+        return f(f"the shared storage {path} hangs ({s['stale']}): a stale mount",
+                 f"sudo umount -l {path} && sudo mount {path} on {node.name}; then restart dlc-ray")
+    remount = (f"mount the shared storage on {node.name} (make cluster-up mounts NFS; a `path` "
+               "storage is the site's to mount), then sudo systemctl restart dlc-ray there")
+    if not s.get("exists"):
+        return f(f"the shared storage is not there: {mount}: {s.get('error', '')}", remount)
+    out = []
+    if s["marker"] != a.get("expected_marker"):
+        out += f(f"the shared storage is not shared: the head's marker is not in {mount}", remount)
+    if s["write_error"]:
+        out += f(f"Ray's account cannot write to {path} ({s['write_error']})",
+                 f"give Ray's account write access to {path} (make cluster-up sets its owner)")
+    if s["free"] < min_free_gb * 1e9:
+        out += f(f"{s['free'] / 1e9:.1f} GB free on the shared storage {path}, below {min_free_gb} GB",
+                 "free space there (old runs' checkpoints under runs/, old models)")
+    return out
+
+
+def _clock(node, a, clocks, head_name, max_offset) -> list[Finding]:
+    out = []
+    c = a.get("clock") or {}
+    if not c.get("container") and c.get("synchronized") != "yes":
+        out.append(Finding(node=node.name, what=f"its clock is not synchronised (timedatectl: "
+                           f"NTPSynchronized={c.get('synchronized')})",
+                           fix="enable time sync (sudo apt install chrony, or systemd-timesyncd)"))
+    mine, head = clocks.get(node.name), clocks.get(head_name)
+    if mine and head and node.name != head_name:
+        apart = abs(mine.offset - head.offset)
+        if apart - mine.uncertainty - head.uncertainty > max_offset:
+            out.append(Finding(node=node.name, what=f"its clock is {apart:.1f} s from the head's "
+                               f"(more than {max_offset} s)",
+                               fix="enable time sync on every node (chrony or systemd-timesyncd)"))
+    return out
+
+
+def _gpu(node, a) -> list[Finding]:
+    g = a.get("gpu") or {}
+    say = lambda what, fix: Finding(node=node.name, what=what, fix=fix)  # noqa: E731
+    if not g.get("module"):
+        return [say("no NVIDIA kernel module is loaded",
+                    "reboot the node after the driver install (or sudo modprobe nvidia)")]
+    out = []
+    if g.get("library") and g["library"] != g["module"]:
+        out.append(say(f"the driver library is {g['library']} but the loaded kernel module is "
+                       f"{g['module']} (upgraded under the running module)",
+                       "drain the node (make doctor QUARANTINE=1 when it exists) and reboot it; "
+                       "hold the driver packages against unattended upgrades"))
+    nvml = g.get("nvml") or {}
+    if nvml.get("rc"):
+        first = next((line for line in nvml.get("out", "").splitlines() if line.strip()), "?")
+        out.append(say(f"nvidia-smi fails (exit {nvml['rc']}): {first[:150]}",
+                       "reboot the node; if it persists, reinstall the driver (make cluster-up)"))
+    else:
+        gpus = len([line for line in nvml.get("out", "").splitlines() if line.strip()])
+        if gpus != node.gpus:
+            out.append(say(f"nvidia-smi lists {gpus} GPUs, the cluster record {node.gpus}",
+                           "check the GPUs (nvidia-smi -q) or set ray_num_gpus in the inventory"))
+    ctr = g.get("container")
+    if ctr and ctr.get("rc"):
+        out.append(say(f"a GPU container does not start ({ctr.get('out', '')[-150:]})",
+                       "run make cluster-up again (it configures the NVIDIA container toolkit)"))
+    return out
+
+
+# ---- asking the nodes
+
+def ssh(rec: record.ClusterRecord, host: str, *cmd: str, stdin: str | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["ssh", "-F", rec.ssh_config, "-o", "BatchMode=yes", host,
+                           " ".join(shlex.quote(c) for c in cmd)], input=stdin, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def ask(rec: record.ClusterRecord, node: record.Node, query: dict, timeout: float = 120) -> dict:
+    try:
+        p = ssh(rec, node.name, "sudo", "-n", "python3", "-", json.dumps(query),
+                stdin=PROBE.read_text(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer in {timeout:.0f} s"}
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}"}
+
+
+def clock(rec: record.ClusterRecord, node: record.Node) -> Clock | None:
+    t0 = time.time()
+    try:
+        p = ssh(rec, node.name, "date", "+%s.%N", timeout=30)
+        t1 = time.time()
+        return Clock(offset=float(p.stdout.strip()) - (t0 + t1) / 2, uncertainty=(t1 - t0) / 2)
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def ray_nodes(rec: record.ClusterRecord) -> list[dict] | None:
+    req = urllib.request.Request(f"{rec.job_api}/api/v0/nodes?limit=1000&detail=true")
+    req.add_header("Authorization", f"Bearer {Path(rec.token_path).read_text().strip()}")
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return json.loads(r.read())["data"]["result"]["result"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None
+
+
+def doctor(rec: record.ClusterRecord, min_free_gb: float,
+           max_clock_offset: float) -> tuple[list[Finding], dict]:
+    started = time.time()
+    head = next(n for n in rec.nodes if n.role == "head")
+    marker = f".dlc-doctor-{secrets.token_hex(6)}"
+    text = secrets.token_hex(16)
+    # the runs folder: where Ray's account writes checkpoints (the storage's root is root's)
+    base = {"storage": f"{rec.storage}/runs" if rec.storage else None, "marker": marker}
+    if rec.storage:
+        wrote = ask(rec, head, {**base, "text": text}, timeout=60)
+        if wrote.get("rc"):
+            print(f"doctor: the head could not write its marker under {rec.storage}: {wrote['out']}",
+                  flush=True)
+    answers: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=min(32, len(rec.nodes))) as pool:
+        futures = {pool.submit(ask, rec, n, {**base, "runtime": n.runtime, "ip": n.ip, "name": n.name,
+                                             "gpus": n.gpus}): n for n in rec.nodes}
+        for f in as_completed(futures):
+            n = futures[f]
+            answers[n.name] = {**f.result(), "expected_marker": text}
+            print(f"doctor: {n.name} answered ({time.time() - started:.1f} s)", flush=True)
+        clocks = {n.name: c for n, c in zip(rec.nodes, pool.map(lambda n: clock(rec, n), rec.nodes),
+                                             strict=True)}
+    if rec.storage:
+        ask(rec, head, {**base, "text": ""}, timeout=60)
+    seen = ray_nodes(rec)
+    found = examine(rec, answers, seen, {k: v for k, v in clocks.items() if v}, min_free_gb,
+                    max_clock_offset)
+    if seen is None:
+        found.append(Finding(node=head.name, what=f"the job API at {rec.job_api} does not answer",
+                             fix="make attach INVENTORY=... (it opens the tunnel), or make cluster-up"))
+    report = {"cluster": rec.name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "seconds": round(time.time() - started, 1),
+              "findings": [f.model_dump() for f in found], "nodes": answers,
+              "clocks": {k: v.model_dump() if v else None for k, v in clocks.items()},
+              "ray_nodes": seen}
+    return found, report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--min-free-gb", type=float, default=2.0,
+                    help="least free space on the shared storage, /tmp and Docker's data root [2]")
+    ap.add_argument("--max-clock-offset", type=float, default=1.0,
+                    help="seconds two nodes' clocks may be apart [1.0]")
+    args = ap.parse_args(argv)
+    try:
+        rec = record.load()
+        if rec.kind != "ansible" or not rec.ssh_config:
+            raise UserError(f"the current cluster {rec.name!r} is a local one: make doctor checks "
+                            "servers brought up from an inventory (make cluster-up INVENTORY=...)")
+    except UserError as e:
+        print(f"doctor: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    print(f"doctor: asking the {len(rec.nodes)} nodes of {rec.name} through {rec.bastion}", flush=True)
+    found, report = doctor(rec, args.min_free_gb, args.max_clock_offset)
+    path = record.config_dir() / "clusters" / rec.name / REPORT
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for f in found:
+        print(f"doctor: {f.line()}")
+    print(f"doctor: {len(rec.nodes)} nodes, {len(found)} finding(s) in {report['seconds']} s; "
+          f"report: {path}")
+    sys.exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    main()
