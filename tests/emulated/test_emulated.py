@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -828,6 +829,80 @@ def test_rotate_token_replaces_it_everywhere_and_a_stale_client_is_told_to_attac
     close_tunnel(stale)
     assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
     assert (folder / "ray_token").read_text().strip() == new
+
+
+def doctor(emulated) -> tuple[subprocess.CompletedProcess, dict, list[str]]:
+    """make doctor on the cluster: its run, its report and its finding lines."""
+    proc = run([str(BIN / "python"), "-m", "trainkit.doctor"], emulated.env, timeout=300)
+    report = json.loads((emulated.cluster_dir / "doctor.json").read_text())
+    lines = [line for line in proc.stdout.splitlines()
+             if re.match(r"doctor: node-\d: ", line) and not re.search(r" answered \([\d.]+ s\)$", line)]
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    return proc, report, lines
+
+
+def test_doctor_finds_nothing_on_the_healthy_cluster(emulated):
+    proc, report, lines = doctor(emulated)
+    assert proc.returncode == 0 and lines == [] and report["findings"] == [], proc.stdout + proc.stderr
+    answered = [line.split()[1] for line in proc.stdout.splitlines() if " answered (" in line]
+    assert sorted(answered) == sorted(NODES) and set(report["nodes"]) == set(NODES)
+    assert report["seconds"] < 60
+    assert proc.stdout.splitlines()[-1].startswith("doctor: 3 nodes, 0 finding(s) in ")
+
+
+ANOTHER_RAY = "2.58.0"  # not the lock's
+
+
+def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
+    """Injected for real: on node-2 Ray's service stopped, another Ray installed in its environment,
+    the shared storage unmounted; on node-3 the collective interface set to one it lacks and the
+    token made world-readable. One run names each on its node, nothing on node-1; put back, the
+    next run finds nothing."""
+    docker = shutil.which("docker")
+    run([str(BIN / "pip"), "download", "-q", "--no-deps", "--only-binary", ":all:",
+         f"ray=={ANOTHER_RAY}", "-d", str(tmp_path)], emulated.env, timeout=600, check=True)
+    wheel = next(tmp_path.glob("ray-*.whl"))
+    def as_root(node: str, script: str):
+        return emulated.ssh(node, f"sudo sh -c {shlex.quote(script)}", timeout=300)
+    site = as_root("node-2", "/opt/venv/bin/python -c 'import os, ray; "
+                   "print(os.path.dirname(os.path.dirname(ray.__file__)))'").stdout.strip()
+    run([docker, "cp", str(wheel), f"dlc-emu-node-2:/tmp/{wheel.name}"], emulated.env, check=True)
+    keep, iface = "/var/tmp/doctor-keep", "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
+    try:
+        as_root("node-2", f"systemctl stop dlc-ray && mkdir -p {keep}/ray {keep}/mnt && "
+                f"cp -a /opt/venv/bin {keep}/bin && "  # pip uninstall takes the ray command too
+                f"mv {site}/ray {site}/ray-*.dist-info {keep}/ray/ && "
+                f"/opt/venv/bin/pip install -q --no-deps --no-index /tmp/{wheel.name} && "
+                f"mount --bind /srv/dlcluster {keep}/mnt && umount -l /srv/dlcluster").check_returncode()
+        as_root("node-3", f"sed -i '{iface.format('eth9')}' /etc/dlcluster/ray.env && "
+                "chmod 0644 /etc/dlcluster/ray_token").check_returncode()
+        proc, report, lines = doctor(emulated)
+    finally:
+        as_root("node-2", f"/opt/venv/bin/pip uninstall -q -y ray; mv {keep}/ray/* {site}/; "
+                f"cp -a {keep}/bin/. /opt/venv/bin/; "
+                f"mountpoint -q /srv/dlcluster || mount --bind {keep}/mnt /srv/dlcluster; "
+                f"umount {keep}/mnt; rm -rf {keep} /tmp/{wheel.name}; systemctl start dlc-ray")
+        as_root("node-3", f"sed -i '{iface.format('eth0')}' /etc/dlcluster/ray.env && "
+                "chmod 0640 /etc/dlcluster/ray_token")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    fix = "run make cluster-up again"
+    assert lines[:2] == [
+        "doctor: node-2: Ray's service dlc-ray is inactive: sudo systemctl restart dlc-ray on node-2 "
+        "(journalctl -u dlc-ray says why it stopped)",
+        f"doctor: node-2: ray {ANOTHER_RAY}, the head runs 2.60.0: {fix} (it installs the lock's "
+        "versions everywhere)"], lines
+    assert lines[2].startswith("doctor: node-2: the shared storage is not there: /srv/dlcluster/runs "
+                               "(findmnt: / "), lines
+    assert lines[3:] == [
+        "doctor: node-3: the Ray token is root:dlc 0644, not root-owned 0640: run make cluster-up "
+        "again (it sets owner and mode)",
+        "doctor: node-3: GLOO_SOCKET_IFNAME=eth9 in /etc/dlcluster/ray.env, but its private address "
+        f"172.31.251.13 is on eth0: {fix} (it writes the interface holding the private address and "
+        "restarts Ray when no job runs)"], lines
+    assert {f["node"] for f in report["findings"]} == {"node-2", "node-3"}
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+    proc, report, lines = doctor(emulated)
+    assert proc.returncode == 0 and lines == [], proc.stdout
 
 
 def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):
