@@ -3,7 +3,8 @@ operator does with it: the README's job through the tunnel, attach, the running-
 failing closed, the engine restarted under Ray, a changed setting and an interrupted run, a second
 operator (their own config folder) while a job runs, whose full run changes nothing, a node that
 goes down and comes back, a node killed mid-run, the head's Ray restarted, make smoke (after those
-failures), a changed host key, bad inventories, rotate-token, cluster-down. In file order."""
+failures), a changed host key, bad inventories, rotate-token, make doctor (healthy, then five
+faults), cluster-down. In file order."""
 
 from __future__ import annotations
 

@@ -120,7 +120,8 @@ def test_versions_python_minor_and_the_image():
     assert lines(rec, answers, ray_nodes, clocks) == [
         "node-2: Python 3.12.3, the head runs 3.11.2 (Ray needs the same minor version): run make "
         "cluster-up again (it installs the lock's versions everywhere)",
-        "node-2: horovod missing, the head runs 0.28.1: run make cluster-up again (it installs the "
+        f"node-2: horovod missing, the head runs {RECORDED['nodes']['node-1']['versions']['horovod']}: "
+        "run make cluster-up again (it installs the "
         "lock's versions everywhere)",
         "node-3: torch 2.13.0, the head runs 2.14.1: run make cluster-up again (it installs the "
         "lock's versions everywhere)"]

@@ -10,8 +10,9 @@ from pathlib import Path
 from trainkit import versions
 
 REPO = Path(__file__).resolve().parents[2]
-# prose may name a version for its reader; a patch is for one version; results are data
-NOT_CODE = ("*.md", "patches/*", "tests/bench/results/*")
+# prose may name a version for its reader; a patch is for one version; results and recorded
+# answers are data
+NOT_CODE = ("*.md", "patches/*", "tests/bench/results/*", "tests/unit/recorded/*")
 
 
 def files(root: Path) -> list[str]:
