@@ -5,6 +5,7 @@ launcher started the process; this module is what happens under each but Ray.)""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 from . import cluster, flags
@@ -12,6 +13,7 @@ from .job import Job, Run, Timeline, World
 from .onnx_export import Published
 from .progress import say
 from .publish import publish
+from .store import hold_run
 
 
 def train_in_process(job: Job, args: argparse.Namespace, launcher: str) -> Published | None:
@@ -38,11 +40,13 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
         say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {world.size} "
                       f"process(es) on {world.device_kind}, batch {run.batch_size} per process, "
                       f"{run.epochs} epoch(s); storage {run.storage_path}")
-    job.fit(run, config, world)
-    if world.rank != 0:
-        return None
-    store = job.store(run, config, world)
-    with store.latest() as last:
-        # torchrun restarts its processes itself (--max-restarts) and says how often
-        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)
+    # rank 0 holds the run's folder: a second run of this --name is one line (its ranks then stop)
+    with hold_run(run.storage_path, run.name) if world.rank == 0 else contextlib.nullcontext():
+        job.fit(run, config, world)
+        if world.rank != 0:
+            return None
+        store = job.store(run, config, world)
+        with store.latest() as last:
+            # torchrun restarts its processes itself (--max-restarts) and says how often
+            count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)

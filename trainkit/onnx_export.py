@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ TOLERANCE = 1e-4
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 RECORD_FILE = "published.json"  # in the run's folder: where its model was published
-PUBLICATIONS = "publications"  # <output>/publications/<stamp>/{model.onnx,manifest.json}
-CURRENT = "current"  # <output>/current -> publications/<stamp>: switched by one rename
+PUBLICATIONS = "publications"  # <output>/publications/<seq>-<stamp>/{model.onnx,manifest.json}
+CURRENT = "current"  # <output>/current -> publications/<seq>-<stamp>: switched by one rename
 KEEP_PUBLICATIONS = 3
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,9 +64,50 @@ class ParityError(RuntimeError):
 
 
 def staging_path(output: Path) -> Path:
-    """Where a new model is written before it is verified (the published one stays until then)."""
+    """Where a new model is written before it is verified (the published one stays until then):
+    a name of this process's own, so two runs publishing into one folder never share a file."""
     output.mkdir(parents=True, exist_ok=True)
-    return output / f".{MODEL_FILE}.new"
+    return output / f".{MODEL_FILE}.{socket.gethostname()}.{os.getpid()}.new"
+
+
+def sequence(name: str) -> int:
+    """A publication folder's number (0 for the older layout's bare time stamps)."""
+    head = name.split("-", 1)[0]
+    return int(head) if len(head) == 6 and head.isdigit() else 0
+
+
+def _new_publication(output: Path, now: _dt.datetime) -> Path:
+    """The next publication folder: one number past every folder there, whatever the clock says
+    (a clock stepped back cannot make a new publication sort older); mkdir decides a race."""
+    root = output / PUBLICATIONS
+    root.mkdir(parents=True, exist_ok=True)
+    n = max((sequence(p.name) for p in root.iterdir()), default=0)
+    while True:
+        n += 1
+        folder = root / f"{n:06d}-{now:%Y%m%d-%H%M%S}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _prune(output: Path, keep: int) -> None:
+    """All but the newest `keep` publications, by number; never the one `current` names."""
+    root = output / PUBLICATIONS
+    live = (output / CURRENT).resolve()
+    for old in sorted(root.iterdir(), key=lambda p: (sequence(p.name), p.name))[:-keep]:
+        if old.resolve() != live:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """A file's data, or a folder's entries, on disk before anything points at them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def export_torch(model, example, output: Path, input_name: str = "input",
@@ -219,11 +261,13 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
     the run's record of where it went).
 
     Publishing is atomic: the pair is written whole into its own folder
-    `<output>/publications/<stamp>/`, then `<output>/current` is switched to it by one rename;
+    `<output>/publications/<seq>-<stamp>/` (the sequence one past every folder there, so never
+    older than one before it, whatever the clock), file and folder synced to disk, then
+    `<output>/current` is switched to it by one rename;
     `<output>/model.onnx` and `<output>/manifest.json` are links through `current`. A reader that
     resolves `current` once sees the old pair or the new one, never a mix. A failure before the
     switch (a full disk, a crash) leaves the previous publication current. The manifest records
-    the model's sha256. The newest KEEP_PUBLICATIONS stay.
+    the model's sha256. The newest KEEP_PUBLICATIONS stay, and always the one `current` names.
 
     On a parity failure the staged file is kept as model.rejected.onnx for inspection, the
     published model (if any) is left as it was, and a UserError says what happened.
@@ -251,23 +295,27 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         "working_dir": working_dir_package(),
         **(extra or {}),
     }
-    folder = output / PUBLICATIONS / f"{now:%Y%m%d-%H%M%S-%f}"
+    folder = None
     try:
-        folder.mkdir(parents=True)
+        _fsync(staged)
+        folder = _new_publication(output, now)
         staged.replace(folder / MODEL_FILE)
         _write_json(folder / MANIFEST_FILE, manifest, sync=True)
+        for synced in (folder, folder.parent):
+            _fsync(synced)
         _link(output / CURRENT, Path(PUBLICATIONS) / folder.name)  # the switch
+        _fsync(output)
         for name in (MODEL_FILE, MANIFEST_FILE):
             if not (output / name).is_symlink():
                 _link(output / name, Path(CURRENT) / name)
     except OSError as e:
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         staged.unlink(missing_ok=True)
         raise UserError(f"could not publish the model in {output} ({e.strerror or e}); the "
                         f"previous publication there (if any) is still current; free space "
                         "or give another --output, then rerun with the same --name") from None
-    for old in sorted((output / PUBLICATIONS).iterdir())[:-KEEP_PUBLICATIONS]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(output, KEEP_PUBLICATIONS)
     result = Published(folder / MODEL_FILE, folder / MANIFEST_FILE, manifest)
     if record_dir is not None:
         _write_json(record_dir / RECORD_FILE, result.record())

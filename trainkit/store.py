@@ -12,11 +12,14 @@ state_dict traceback, and its checkpoints are not touched.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 from .errors import UserError
 
 META = "meta.json"
+LOCK = ".run.lock"  # in the run's folder: held by the process that trains and publishes it
 PLAIN = re.compile(r"checkpoint_(\d{6})")
 
 
@@ -66,6 +70,34 @@ def precheck(storage_path: str, job: str, name: str, signature: dict) -> None:
     found = sorted(p for p in (Path(storage_path) / name).glob("checkpoint_*") if (p / META).is_file())
     if found:
         check_signature(read_meta(found[-1]), job, signature, name)
+
+
+@contextlib.contextmanager
+def hold_run(storage_path: str, name: str) -> Iterator[None]:
+    """The run's folder held by this process while it trains and publishes: a second run with the
+    same --name at the same time is one line before it touches the folder, so the first run's
+    checkpoints and model stay its own. An flock: the kernel drops it when the process ends,
+    however it ends (NFS v4 carries it between nodes), so a resumed run is never refused by a
+    dead one. URIs (s3://...) are not held."""
+    if "://" in storage_path:
+        yield
+        return
+    run_dir = Path(storage_path) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise UserError(f"run {name} is running already ({holder}): wait for it to end, or "
+                            "give this one another --name") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{socket.gethostname()} pid {os.getpid()} since "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        f.flush()
+        yield
 
 
 class Store:

@@ -4,6 +4,7 @@ whose manifest counts the restarts. The recovery time (failure -> first step aft
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,30 @@ def test_a_lost_node_costs_a_restart_not_the_run(doomed, tmp_path):
     m = check_recovered(out, killed_at, last_epoch=3)
     assert m["world_size"] == 1 and m["restarts"]["attempts"][0]["world_size"] == 2
     assert "restart(s), resumed after epoch(s)" in out_text
+
+
+def test_a_second_run_of_the_same_name_is_one_line_and_the_first_goes_on(cluster, tmp_path):
+    """Submitted while the first trains, with its --name and storage: the second driver stops with
+    one line before any worker starts; the first finishes, publishes, its checkpoints its own."""
+    storage, out = tmp_path / "runs", tmp_path / "model"
+    args = ["--epochs", "5", "--limit", "1600", "--image-size", "60x80", "--batch-size", "16",
+            "--num-workers", "1", "--name", "twice", "--storage-path", str(storage), "--output", str(out)]
+    first = Running(cluster, "ddp_autoencoder", *args)
+    first.wait_for("epoch 1/5: ")
+    second = Running(cluster, "ddp_autoencoder", *args, "--output", str(tmp_path / "second"))
+    second.proc.wait(timeout=300)
+    second.reader.join(timeout=30)
+    refused = "".join(second.lines)
+    assert first.proc.poll() is None, "the first run ended before the second was refused"
+    errors = [line for line in refused.splitlines() if line.startswith("ddp_autoencoder: error: ")]
+    assert second.proc.returncode != 0 and len(errors) == 1, refused[-3000:]
+    assert re.fullmatch(r"ddp_autoencoder: error: run twice is running already \(\S+ pid \d+ since "
+                        r"\S+\): wait for it to end, or give this one another --name", errors[0]), errors
+    assert "RayTrainWorker" not in refused and not (tmp_path / "second").exists()
+    first.finish()
+    m = read_manifest(out)
+    assert m["metrics"]["epoch"] == 5 and m["restarts"]["count"] == 0
+    assert Path(m["run"]["checkpoint"]).is_dir()
 
 
 def temp_root(cluster) -> str:

@@ -1,5 +1,6 @@
 """The tutorial's autoencoder and its ONNX export, without a cluster."""
 
+import datetime
 import hashlib
 import json
 import subprocess
@@ -111,6 +112,39 @@ def test_publishing_switches_whole_pairs(tmp_path):
         verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x, reference=ref,
                            metrics={}, world_size=1)
     assert len(list((tmp_path / "publications").iterdir())) == 3  # the newest three stay
+
+
+def test_publications_are_ordered_by_sequence_not_by_the_clock(tmp_path, monkeypatch):
+    """A clock stepped back (years, here) cannot make a new publication sort older than the last
+    one, so pruning never takes what was just published; a folder of the older layout (a bare
+    time stamp, even one far in the future) goes first."""
+    from trainkit import onnx_export
+    staged, x, ref = _export(tmp_path)
+    verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x, reference=ref,
+                       metrics={"n": 1}, world_size=1)
+    (tmp_path / "publications/29991231-235959-000000").mkdir()  # the older layout's name
+
+    class SteppedBack(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2001, 1, 1, tzinfo=tz)
+    monkeypatch.setattr(onnx_export._dt, "datetime", SteppedBack)
+    for n in (2, 3, 4):
+        staged, x, ref = _export(tmp_path)
+        last = verify_and_publish(staged, tmp_path, job="t", framework="torch", inputs=x,
+                                  reference=ref, metrics={"n": n}, world_size=1)
+    assert current(tmp_path).manifest["metrics"] == {"n": 4} and current(tmp_path).model == last.model
+    names = sorted(p.name for p in (tmp_path / "publications").iterdir())
+    assert names == ["000002-20010101-000000", "000003-20010101-000000", "000004-20010101-000000"]
+
+
+def test_each_process_stages_its_own_file(tmp_path):
+    code = "import sys; from pathlib import Path; from trainkit.onnx_export import staging_path; " \
+           "print(staging_path(Path(sys.argv[1])))"
+    names = {subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+             for _ in range(2)}
+    assert len(names) == 2 and all(Path(n).parent == tmp_path for n in names), names
 
 
 FULL_DISK = """

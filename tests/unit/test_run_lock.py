@@ -1,0 +1,47 @@
+"""Two runs with the same --name at once: the second is one line before it touches the run's
+folder; the lock dies with its process, however it ends, so a resumed run is never refused."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainkit.errors import UserError
+from trainkit.store import LOCK, hold_run
+
+REPO = Path(__file__).resolve().parents[2]
+HOLD = ("import sys, time; from trainkit.store import hold_run\n"
+        "with hold_run(sys.argv[1], 'r'):\n    print('held', flush=True)\n    time.sleep(300)\n")
+
+
+def test_a_second_run_of_the_same_name_is_one_line_until_the_first_is_gone(tmp_path):
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        (tmp_path / "r" / "checkpoint_000001").mkdir()
+        with pytest.raises(UserError) as e, hold_run(str(tmp_path), "r"):
+            raise AssertionError("the second run got the folder")
+        assert re.fullmatch(rf"run r is running already \({re.escape(socket.gethostname())} pid "
+                            rf"{first.pid} since \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ\): wait for it to "
+                            r"end, or give this one another --name", str(e.value)), str(e.value)
+        assert (tmp_path / "r" / "checkpoint_000001").is_dir()  # nothing of the first run touched
+    finally:
+        os.kill(first.pid, signal.SIGKILL)  # dies holding it: the kernel lets go
+        first.wait(timeout=30)
+    with hold_run(str(tmp_path), "r"):
+        assert f"pid {os.getpid()} " in (tmp_path / "r" / LOCK).read_text()
+    with hold_run(str(tmp_path), "r"):  # released on leaving: the same process again
+        pass
+
+
+def test_uris_are_not_held(tmp_path):
+    with hold_run("s3://bucket/runs", "r"), hold_run("s3://bucket/runs", "r"):
+        pass
