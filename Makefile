@@ -36,6 +36,9 @@ ANSIBLE_ARGS    ?=
 SMOKE_ARGS      ?=
 # extra flags for make doctor (python -m trainkit.doctor --help), e.g. --min-free-gb 10
 DOCTOR_ARGS     ?=
+# make doctor QUARANTINE=1: take each worker with a finding out of Ray; make release NODE=...: back
+QUARANTINE      ?=
+NODE            ?=
 
 # Tokens, keys and inventories' ssh configs live in DLC_CONFIG: never inside the checkout, whose
 # files travel with every job (ray job submit --working-dir .).
@@ -50,7 +53,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit demo test check test-unit \
-        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke doctor emulate-up emulate-down emulate-purge emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -106,8 +109,12 @@ lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, the three trainers, ProxyJump
 	@$(PY) ray/smoke.py $(SMOKE_ARGS)
 
-doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem
-	@$(PY) -m trainkit.doctor $(DOCTOR_ARGS)
+doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem (QUARANTINE=1: take bad workers out of Ray)
+	@$(PY) -m trainkit.doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
+
+release: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
+	@$(if $(NODE),,echo "release: error: name the node: make release NODE=<name in the cluster record>" >&2; exit 2)
+	@$(PY) -m trainkit.doctor --release $(NODE)
 
 bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
 	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench.py $(ARGS)

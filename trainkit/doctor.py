@@ -3,7 +3,8 @@ asked at once, through the bastion, what trainkit/doctor_probe.py reads there; t
 compared with the head's and with the record, and each problem is one line: the node, what is
 wrong, the fix. Exit 1 on any finding; the whole report is clusters/<name>/doctor.json.
 
-    python -m trainkit.doctor [--min-free-gb 2] [--max-clock-offset 1.0]
+    python -m trainkit.doctor [--min-free-gb 2] [--max-clock-offset 1.0] [--quarantine]
+    python -m trainkit.doctor --release NODE
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
             say(node.name, f"no answer through the bastion ({(a or {}).get('error', 'not asked')})",
                 f"check the machine is up and reachable: ssh -F {rec.ssh_config} {node.name}")
             continue
-        if a["service"] != "active":
+        if a.get("quarantine"):
+            say(node.name, f"quarantined ({a['quarantine']}): Ray stays down there",
+                f"once it is fixed: make release NODE={node.name}")
+        elif a["service"] != "active":
             say(node.name, f"Ray's service dlc-ray is {a['service']}",
                 f"sudo systemctl restart dlc-ray on {node.name} (journalctl -u dlc-ray says why it stopped)")
         elif ray_nodes is not None:
@@ -305,18 +309,85 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float,
     return found, report
 
 
+def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict) -> list[str]:
+    """Each node with a finding taken out of Ray: its quarantine file written (Ray's unit will not
+    start there) and the head's GCS told to drain it (no new work lands there; what runs there
+    finishes, then its Ray stops). The head is never taken out: every job's driver runs there."""
+    head = next(n for n in rec.nodes if n.role == "head")
+    alive = {n.get("node_ip"): n.get("node_id") for n in report.get("ray_nodes") or []
+             if n.get("state") == "ALIVE"}
+    lines = []
+    for node in rec.nodes:
+        mine = [f for f in found if f.node == node.name]
+        if not mine or (report["nodes"].get(node.name) or {}).get("quarantine"):
+            continue
+        if node.role == "head":
+            lines.append(f"{node.name}: not quarantined: the head runs Ray's GCS and every job's "
+                         "driver; fix what is named above and run make doctor again")
+            continue
+        reason = (f"make doctor at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: "
+                  f"{mine[0].what}")[:300]
+        wrote = ask(rec, node, {"reason": reason}, timeout=60)
+        if wrote.get("rc") != 0:
+            lines.append(f"{node.name}: not quarantined: its quarantine file could not be written "
+                         f"({wrote.get('error') or wrote.get('out')})")
+            continue
+        if node.ip in alive:
+            drained = ask(rec, head, {"node_id": alive[node.ip], "reason": reason,
+                                      "runtime": head.runtime}, timeout=120)
+            if drained.get("rc") != 0:
+                lines.append(f"{node.name}: quarantined, but Ray did not drain it "
+                             f"({drained.get('error') or drained.get('out')}): Ray stops there "
+                             "when its Ray next exits")
+                continue
+        lines.append(f"{node.name}: quarantined: no new work lands there (work running there "
+                     f"finishes, then its Ray stops); make release NODE={node.name} once it is fixed")
+    return lines
+
+
+def release(rec: record.ClusterRecord, name: str, timeout: float = 180) -> str:
+    """The quarantine file removed and Ray started on `name`; back once the head lists it alive."""
+    node = next((n for n in rec.nodes if n.name == name), None)
+    if node is None:
+        raise UserError(f"no node {name!r} in the cluster {rec.name}; NODE is one of "
+                        f"{', '.join(n.name for n in rec.nodes)}")
+    done = ask(rec, node, {"reason": ""}, timeout=180)
+    if done.get("rc") == 3:
+        raise UserError(f"{name}: {done['out']}: release it when that work has ended (ray job "
+                        "list); nothing changed")
+    if done.get("rc") != 0:
+        raise UserError(f"{name}: Ray did not start ({done.get('error') or done.get('out')}): see "
+                        f"journalctl -u dlc-ray on {name}")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = ray_nodes(rec) or []
+        if any(n.get("node_ip") == node.ip and n.get("state") == "ALIVE" for n in seen):
+            alive = len({n["node_ip"] for n in seen if n.get("state") == "ALIVE"})
+            return f"{name} released: back in Ray ({alive} of {len(rec.nodes)} nodes alive)"
+        time.sleep(2)
+    raise UserError(f"{name}: released, but the head does not list it alive after {timeout:.0f} s: "
+                    f"see journalctl -u dlc-ray on {name}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--min-free-gb", type=float, default=2.0,
                     help="least free space on the shared storage, /tmp and Docker's data root [2]")
     ap.add_argument("--max-clock-offset", type=float, default=1.0,
                     help="seconds two nodes' clocks may be apart [1.0]")
+    ap.add_argument("--quarantine", action="store_true",
+                    help="take each worker with a finding out of Ray (make doctor QUARANTINE=1)")
+    ap.add_argument("--release", metavar="NODE",
+                    help="put a quarantined node back into Ray, then stop (make release NODE=...)")
     args = ap.parse_args(argv)
     try:
         rec = record.load()
         if rec.kind != "ansible" or not rec.ssh_config:
             raise UserError(f"the current cluster {rec.name!r} is a local one: make doctor checks "
                             "servers brought up from an inventory (make cluster-up INVENTORY=...)")
+        if args.release:
+            print(f"doctor: {release(rec, args.release)}")
+            return
     except UserError as e:
         print(f"doctor: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
@@ -326,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
     for f in found:
         print(f"doctor: {f.line()}")
+    if args.quarantine:
+        for line in quarantine(rec, found, report):
+            print(f"doctor: {line}")
     print(f"doctor: {len(rec.nodes)} nodes, {len(found)} finding(s) in {report['seconds']} s; "
           f"report: {path}")
     sys.exit(1 if found else 0)

@@ -15,6 +15,7 @@ import sys
 
 RAY_ENV = "/etc/dlcluster/ray.env"
 TOKEN = "/etc/dlcluster/ray_token"
+QUARANTINE = "/etc/dlcluster/quarantine"  # make doctor QUARANTINE=1: Ray's unit will not start
 COLLECTIVE = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 PACKAGES = ("ray", "torch", "horovod", "tensorflow", "tensorflow-cpu")
 VERSIONS = f"""
@@ -236,10 +237,56 @@ def mark(ask):
     print(json.dumps({"rc": rc, "out": text[-300:]}))
 
 
+def ray_command(runtime, settings):
+    """The Ray command line Ray's own processes use on this node."""
+    if runtime == "docker":
+        return ["docker", "exec", "dlc-ray", "ray"]
+    return [os.path.join(settings.get("PATH", "").split(":")[0], "ray")]
+
+
+def drain(ask):
+    """On the head: Ray's GCS told to drain a node (no new work there; what runs there finishes,
+    then its raylet exits and, quarantined, stays down), with the token Ray's processes have."""
+    proc = raylet()
+    cmdline = ""
+    if proc:
+        with open(f"/proc/{proc[0]}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace").replace("\0", " ")
+    m = re.search(r"--gcs-address=(\S+)", cmdline)
+    if not m:
+        return {"rc": 1, "out": "no raylet with a --gcs-address on the head"}
+    settings = env_file(RAY_ENV)
+    os.environ.update({k: v for k, v in settings.items() if k.startswith("RAY_")})
+    rc, out = run(*ray_command(ask["runtime"], settings), "drain-node", "--address", m.group(1),
+                  "--node-id", ask["node_id"], "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                  "--reason-message", ask["reason"], timeout=60)
+    return {"rc": rc, "out": out[-300:]}
+
+
+def quarantine(ask):
+    """Write (ask["reason"]) or, releasing (""), remove the quarantine file; releasing starts Ray,
+    unless Ray still runs there (drained but busy: its work has not ended)."""
+    if ask["reason"]:
+        with open(QUARANTINE + ".new", "w") as f:
+            f.write(ask["reason"] + "\n")
+        os.replace(QUARANTINE + ".new", QUARANTINE)
+        return {"rc": 0, "out": ""}
+    if raylet():
+        return {"rc": 3, "out": "Ray still runs there: the work it was drained of has not ended"}
+    if os.path.exists(QUARANTINE):
+        os.remove(QUARANTINE)
+    rc, out = run("systemctl", "start", "dlc-ray", timeout=120)
+    return {"rc": rc, "out": out[-300:]}
+
+
 def main():
     ask = json.loads(sys.argv[1])
     if "text" in ask:
         return mark(ask)
+    if "node_id" in ask:
+        return print(json.dumps(drain(ask)))
+    if "reason" in ask:
+        return print(json.dumps(quarantine(ask)))
     settings = env_file(RAY_ENV)
     proc = raylet()
     rc, service = run("systemctl", "is-active", "dlc-ray")
@@ -259,7 +306,13 @@ def main():
     if ask["runtime"] == "docker":
         rc, text = run("docker", "info", "-f", "{{.DockerRootDir}}")
         docker_root = text if rc == 0 else None
+    try:
+        with open(QUARANTINE) as f:
+            quarantined = f.read().strip() or "no reason given"
+    except OSError:
+        quarantined = None
     out = {
+        "quarantine": quarantined,
         "service": service,
         "raylet": proc is not None,
         "firewall": {"load": fw.get("LoadState"), "active": fw.get("ActiveState"),
