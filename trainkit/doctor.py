@@ -309,17 +309,26 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float,
     return found, report
 
 
-def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict) -> list[str]:
+def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
+               drain_wait: float = 60) -> list[str]:
     """Each node with a finding taken out of Ray: its quarantine file written (Ray's unit will not
-    start there) and the head's GCS told to drain it (no new work lands there; what runs there
-    finishes, then its Ray stops). The head is never taken out: every job's driver runs there."""
+    start there) and the head's GCS told to drain it (no new work lands there); once it has left
+    (idle: at once; busy: when its work has ended, on a later run) its Ray is stopped. The head is
+    never taken out: every job's driver runs there."""
     head = next(n for n in rec.nodes if n.role == "head")
     alive = {n.get("node_ip"): n.get("node_id") for n in report.get("ray_nodes") or []
              if n.get("state") == "ALIVE"}
     lines = []
     for node in rec.nodes:
         mine = [f for f in found if f.node == node.name]
-        if not mine or (report["nodes"].get(node.name) or {}).get("quarantine"):
+        a = report["nodes"].get(node.name) or {}
+        if a.get("quarantine"):  # an earlier quarantine: its Ray stopped once its work has ended
+            if a.get("service") == "active" and not a.get("raylet"):
+                ask(rec, node, {"reason": None}, timeout=180)
+                lines.append(f"{node.name}: quarantined: the work it was drained of has ended; "
+                             f"its Ray stopped; make release NODE={node.name} once it is fixed")
+            continue
+        if not mine:
             continue
         if node.role == "head":
             lines.append(f"{node.name}: not quarantined: the head runs Ray's GCS and every job's "
@@ -332,17 +341,39 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict) ->
             lines.append(f"{node.name}: not quarantined: its quarantine file could not be written "
                          f"({wrote.get('error') or wrote.get('out')})")
             continue
+        release = f"make release NODE={node.name} once it is fixed"
         if node.ip in alive:
             drained = ask(rec, head, {"node_id": alive[node.ip], "reason": reason,
                                       "runtime": head.runtime}, timeout=120)
             if drained.get("rc") != 0:
                 lines.append(f"{node.name}: quarantined, but Ray did not drain it "
-                             f"({drained.get('error') or drained.get('out')}): Ray stops there "
-                             "when its Ray next exits")
+                             f"({drained.get('error') or drained.get('out')}): its Ray keeps "
+                             f"running until stopped (sudo systemctl stop dlc-ray there); {release}")
                 continue
-        lines.append(f"{node.name}: quarantined: no new work lands there (work running there "
-                     f"finishes, then its Ray stops); make release NODE={node.name} once it is fixed")
+            if not left(rec, node, drain_wait):  # busy: what runs there finishes first
+                lines.append(f"{node.name}: quarantined: drained, no new work lands there; what "
+                             "runs there finishes first (make doctor QUARANTINE=1 then stops its "
+                             f"Ray); {release}")
+                continue
+        stopped = ask(rec, node, {"reason": None}, timeout=180)
+        if stopped.get("rc") != 0:
+            lines.append(f"{node.name}: quarantined, but its Ray did not stop "
+                         f"({stopped.get('error') or stopped.get('out')}); {release}")
+            continue
+        lines.append(f"{node.name}: quarantined: out of Ray, its Ray stopped and kept down; {release}")
     return lines
+
+
+def left(rec: record.ClusterRecord, node: record.Node, timeout: float) -> bool:
+    """Whether the head stops listing `node` alive within `timeout` s (a drained node leaves once idle)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = ray_nodes(rec)
+        if seen is not None and not any(n.get("node_ip") == node.ip and n.get("state") == "ALIVE"
+                                        for n in seen):
+            return True
+        time.sleep(2)
+    return False
 
 
 def release(rec: record.ClusterRecord, name: str, timeout: float = 180) -> str:

@@ -264,8 +264,9 @@ def drain(ask):
 
 
 def quarantine(ask):
-    """Write (ask["reason"]) or, releasing (""), remove the quarantine file; releasing starts Ray,
-    unless Ray still runs there (drained but busy: its work has not ended)."""
+    """Write the quarantine file (ask["reason"]); or stop Ray's service once its raylet has left
+    (None: drained, `ray start --block` outlives its raylet); or, releasing (""), remove the file
+    and restart Ray, unless its raylet still runs (drained but busy: its work has not ended)."""
     if ask["reason"]:
         with open(QUARANTINE + ".new", "w") as f:
             f.write(ask["reason"] + "\n")
@@ -273,9 +274,12 @@ def quarantine(ask):
         return {"rc": 0, "out": ""}
     if raylet():
         return {"rc": 3, "out": "Ray still runs there: the work it was drained of has not ended"}
+    if ask["reason"] is None:
+        rc, out = run("systemctl", "stop", "dlc-ray", timeout=120)
+        return {"rc": rc, "out": out[-300:]}
     if os.path.exists(QUARANTINE):
         os.remove(QUARANTINE)
-    rc, out = run("systemctl", "start", "dlc-ray", timeout=120)
+    rc, out = run("systemctl", "restart", "dlc-ray", timeout=120)
     return {"rc": rc, "out": out[-300:]}
 
 

@@ -908,17 +908,17 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
 
 def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     """node-2 told to run collectives over an interface it lacks (its Ray keeps running): make
-    doctor QUARANTINE=1 names it and takes it out of Ray: the head drains it, its Ray stops and
-    stays down (also when told to start); a job submitted then trains on node-1 and node-3. Fixed,
-    make release NODE=node-2 puts it back, and make doctor finds nothing."""
+    doctor QUARANTINE=1 names it and takes it out of Ray: the head drains it, it leaves Ray (idle),
+    its Ray is stopped and stays down (also when told to start); a job submitted then trains on
+    node-1 and node-3. Fixed, make release NODE=node-2 puts it back, and make doctor finds nothing."""
     fault = "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
     emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth9')}' /etc/dlcluster/ray.env").check_returncode()
     try:
         proc = run([str(BIN / "python"), "-m", "trainkit.doctor", "--quarantine"], emulated.env, timeout=300)
         print(proc.stdout[-3000:], proc.stderr[-2000:])
         assert proc.returncode == 1
-        assert ("doctor: node-2: quarantined: no new work lands there (work running there finishes, "
-                "then its Ray stops); make release NODE=node-2 once it is fixed") in proc.stdout.splitlines()
+        assert ("doctor: node-2: quarantined: out of Ray, its Ray stopped and kept down; make release "
+                "NODE=node-2 once it is fixed") in proc.stdout.splitlines()
         alive = emulated.wait_for_nodes(2, timeout=120)
         assert alive == [NODES["node-1"], NODES["node-3"]], alive
         emulated.ssh("node-2", "sudo systemctl start dlc-ray").check_returncode()
