@@ -54,8 +54,8 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
                                 placement=args.placement, elastic=job.trainer != "horovod")
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
     cluster.check_storage(args.storage_path)
+    precheck(args.storage_path, job.name, args.name, job.signature(config))
     with hold_run(args.storage_path, args.name):  # a second run of this --name: one line
-        precheck(args.storage_path, job.name, args.name, job.signature(config))
         attempts = cluster.on_this_node(Attempts)
         run = Run.from_flags(job, args, "ray", plan.use_gpu, attempts=attempts)
         say(job.name, f"run {run.name}: {job.describe(config)}; {plan.describe()}, batch "

@@ -97,7 +97,11 @@ def hold_run(storage_path: str, name: str) -> Iterator[None]:
         f.write(f"{socket.gethostname()} pid {os.getpid()} since "
                 f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
         f.flush()
-        yield
+        try:
+            yield
+        finally:  # emptied again: a run that stopped on bad input leaves the folder as it was
+            f.seek(0)
+            f.truncate()
 
 
 class Store:

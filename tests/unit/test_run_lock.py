@@ -38,6 +38,7 @@ def test_a_second_run_of_the_same_name_is_one_line_until_the_first_is_gone(tmp_p
         first.wait(timeout=30)
     with hold_run(str(tmp_path), "r"):
         assert f"pid {os.getpid()} " in (tmp_path / "r" / LOCK).read_text()
+    assert (tmp_path / "r" / LOCK).read_text() == ""  # emptied on leaving: the folder as it was
     with hold_run(str(tmp_path), "r"):  # released on leaving: the same process again
         pass
 
