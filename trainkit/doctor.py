@@ -60,7 +60,7 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
 
     docker_ref = next((answers[n.name]["versions"].get("image") for n in rec.nodes
                        if n.runtime == "docker" and "versions" in answers.get(n.name, {})), None)
-    alive = {n.get("node_ip"): n for n in (ray_nodes or []) if n.get("state") == "ALIVE"}
+    listed = {n.get("node_ip"): n for n in (ray_nodes or []) if n.get("state") == "ALIVE"}
     for node in rec.nodes:
         a = answers.get(node.name)
         if a is None or "error" in a:
@@ -74,7 +74,7 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
             say(node.name, f"Ray's service dlc-ray is {a['service']}",
                 f"sudo systemctl restart dlc-ray on {node.name} (journalctl -u dlc-ray says why it stopped)")
         elif ray_nodes is not None:
-            r = alive.get(node.ip)
+            r = listed.get(node.ip)
             if r is None:
                 say(node.name, f"its Ray service runs but the head does not list {node.ip} alive",
                     f"journalctl -u dlc-ray on {node.name} (a firewall or the GCS port between them?)")
@@ -260,6 +260,22 @@ def clock(rec: record.ClusterRecord, node: record.Node) -> Clock | None:
         return None
 
 
+def alive(seen: list[dict] | None) -> dict[str, str]:
+    """Node ip -> Ray's node id, of the nodes the head lists alive (an ip may also have dead entries)."""
+    return {n.get("node_ip"): n.get("node_id") for n in seen or [] if n.get("state") == "ALIVE"}
+
+
+def wait_until(rec: record.ClusterRecord, node: record.Node, listed: bool, timeout: float) -> bool:
+    """Whether the head lists `node` alive (listed) or no longer does (not listed) within `timeout` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = ray_nodes(rec)
+        if seen is not None and (node.ip in alive(seen)) == listed:
+            return True
+        time.sleep(2)
+    return False
+
+
 def ray_nodes(rec: record.ClusterRecord) -> list[dict] | None:
     req = urllib.request.Request(f"{rec.job_api}/api/v0/nodes?limit=1000&detail=true")
     req.add_header("Authorization", f"Bearer {Path(rec.token_path).read_text().strip()}")
@@ -279,14 +295,14 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float,
     # the runs folder: where Ray's account writes checkpoints (the storage's root is root's)
     base = {"storage": f"{rec.storage}/runs" if rec.storage else None, "marker": marker}
     if rec.storage:
-        wrote = ask(rec, head, {**base, "text": text}, timeout=60)
+        wrote = ask(rec, head, {**base, "do": "mark", "text": text}, timeout=60)
         if wrote.get("rc"):
             print(f"doctor: the head could not write its marker under {rec.storage}: {wrote['out']}",
                   flush=True)
     answers: dict[str, dict] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(rec.nodes))) as pool:
-        futures = {pool.submit(ask, rec, n, {**base, "runtime": n.runtime, "ip": n.ip, "name": n.name,
-                                             "gpus": n.gpus}): n for n in rec.nodes}
+        futures = {pool.submit(ask, rec, n, {**base, "do": "check", "runtime": n.runtime, "ip": n.ip,
+                                             "name": n.name, "gpus": n.gpus}): n for n in rec.nodes}
         for f in as_completed(futures):
             n = futures[f]
             answers[n.name] = {**f.result(), "expected_marker": text}
@@ -294,7 +310,7 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float,
         clocks = {n.name: c for n, c in zip(rec.nodes, pool.map(lambda n: clock(rec, n), rec.nodes),
                                              strict=True)}
     if rec.storage:
-        ask(rec, head, {**base, "text": ""}, timeout=60)
+        ask(rec, head, {**base, "do": "mark", "text": ""}, timeout=60)
     seen = ray_nodes(rec)
     found = examine(rec, answers, seen, {k: v for k, v in clocks.items() if v}, min_free_gb,
                     max_clock_offset)
@@ -316,15 +332,14 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
     (idle: at once; busy: when its work has ended, on a later run) its Ray is stopped. The head is
     never taken out: every job's driver runs there."""
     head = next(n for n in rec.nodes if n.role == "head")
-    alive = {n.get("node_ip"): n.get("node_id") for n in report.get("ray_nodes") or []
-             if n.get("state") == "ALIVE"}
+    ids = alive(report.get("ray_nodes"))
     lines = []
     for node in rec.nodes:
         mine = [f for f in found if f.node == node.name]
         a = report["nodes"].get(node.name) or {}
         if a.get("quarantine"):  # an earlier quarantine: its Ray stopped once its work has ended
             if a.get("service") == "active" and not a.get("raylet"):
-                ask(rec, node, {"reason": None}, timeout=180)
+                ask(rec, node, {"do": "stop"}, timeout=180)
                 lines.append(f"{node.name}: quarantined: the work it was drained of has ended; "
                              f"its Ray stopped; make release NODE={node.name} once it is fixed")
             continue
@@ -336,26 +351,26 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
             continue
         reason = (f"make doctor at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: "
                   f"{mine[0].what}")[:300]
-        wrote = ask(rec, node, {"reason": reason}, timeout=60)
+        wrote = ask(rec, node, {"do": "quarantine", "reason": reason}, timeout=60)
         if wrote.get("rc") != 0:
             lines.append(f"{node.name}: not quarantined: its quarantine file could not be written "
                          f"({wrote.get('error') or wrote.get('out')})")
             continue
         release = f"make release NODE={node.name} once it is fixed"
-        if node.ip in alive:
-            drained = ask(rec, head, {"node_id": alive[node.ip], "reason": reason,
+        if node.ip in ids:
+            drained = ask(rec, head, {"do": "drain", "node_id": ids[node.ip], "reason": reason,
                                       "runtime": head.runtime}, timeout=120)
             if drained.get("rc") != 0:
                 lines.append(f"{node.name}: quarantined, but Ray did not drain it "
                              f"({drained.get('error') or drained.get('out')}): its Ray keeps "
                              f"running until stopped (sudo systemctl stop dlc-ray there); {release}")
                 continue
-            if not left(rec, node, drain_wait):  # busy: what runs there finishes first
+            if not wait_until(rec, node, listed=False, timeout=drain_wait):  # busy: its work first
                 lines.append(f"{node.name}: quarantined: drained, no new work lands there; what "
                              "runs there finishes first (make doctor QUARANTINE=1 then stops its "
                              f"Ray); {release}")
                 continue
-        stopped = ask(rec, node, {"reason": None}, timeout=180)
+        stopped = ask(rec, node, {"do": "stop"}, timeout=180)
         if stopped.get("rc") != 0:
             lines.append(f"{node.name}: quarantined, but its Ray did not stop "
                          f"({stopped.get('error') or stopped.get('out')}); {release}")
@@ -364,38 +379,24 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
     return lines
 
 
-def left(rec: record.ClusterRecord, node: record.Node, timeout: float) -> bool:
-    """Whether the head stops listing `node` alive within `timeout` s (a drained node leaves once idle)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        seen = ray_nodes(rec)
-        if seen is not None and not any(n.get("node_ip") == node.ip and n.get("state") == "ALIVE"
-                                        for n in seen):
-            return True
-        time.sleep(2)
-    return False
-
-
 def release(rec: record.ClusterRecord, name: str, timeout: float = 180) -> str:
     """The quarantine file removed and Ray started on `name`; back once the head lists it alive."""
     node = next((n for n in rec.nodes if n.name == name), None)
     if node is None:
         raise UserError(f"no node {name!r} in the cluster {rec.name}; NODE is one of "
                         f"{', '.join(n.name for n in rec.nodes)}")
-    done = ask(rec, node, {"reason": ""}, timeout=180)
+    done = ask(rec, node, {"do": "release"}, timeout=180)
+    if done.get("rc") == 4:
+        raise UserError(f"{name}: {done['out']}; nothing changed (make doctor lists quarantined nodes)")
     if done.get("rc") == 3:
         raise UserError(f"{name}: {done['out']}: release it when that work has ended (ray job "
                         "list); nothing changed")
     if done.get("rc") != 0:
         raise UserError(f"{name}: Ray did not start ({done.get('error') or done.get('out')}): see "
                         f"journalctl -u dlc-ray on {name}")
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        seen = ray_nodes(rec) or []
-        if any(n.get("node_ip") == node.ip and n.get("state") == "ALIVE" for n in seen):
-            alive = len({n["node_ip"] for n in seen if n.get("state") == "ALIVE"})
-            return f"{name} released: back in Ray ({alive} of {len(rec.nodes)} nodes alive)"
-        time.sleep(2)
+    if wait_until(rec, node, listed=True, timeout=timeout):
+        return (f"{name} released: back in Ray ({len(alive(ray_nodes(rec)))} of {len(rec.nodes)} "
+                "nodes alive)")
     raise UserError(f"{name}: released, but the head does not list it alive after {timeout:.0f} s: "
                     f"see journalctl -u dlc-ray on {name}")
 

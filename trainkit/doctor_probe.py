@@ -1,13 +1,23 @@
 """What `make doctor` asks one node: run there as root (`sudo python3 -`, the system's Python, the
-standard library only), one JSON object on stdout. It only reads, except one file it writes and
-removes on the shared storage as Ray's account. trainkit/doctor.py compares the nodes' answers.
+standard library only), one JSON object on stdout. trainkit/doctor.py compares the nodes' answers.
 
-    python3 - '{"runtime": "host", "ip": "10.0.0.11", "storage": "/srv/dlcluster",
-                "marker": ".dlc-doctor-<id>", "gpus": 0}' < doctor_probe.py
+    python3 - '{"do": "check", "runtime": "host", "ip": "10.0.0.11", "name": "node-1",
+                "storage": "/srv/dlcluster/runs", "marker": ".dlc-doctor-<id>", "gpus": 0}' < doctor_probe.py
+
+"do" is one of
+    check       read everything the doctor compares (it writes and removes one file of its own on
+                the shared storage, as Ray's account)
+    mark        the head's marker on the shared storage: written ("text") or removed ("text": "")
+    drain       on the head: Ray's GCS told to drain "node_id" ("reason")
+    quarantine  the quarantine file written ("reason"): Ray's unit will not start
+    stop        Ray's service stopped, once the drained raylet has gone
+    release     the quarantine file removed and Ray restarted
 """
 
+import grp
 import json
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -91,8 +101,7 @@ def versions(runtime, settings):
             pythons.append(["docker", "exec", "dlc-ray", tf_python])
     else:
         out = {}
-        venv_bin = settings.get("PATH", "").split(":")[0]
-        pythons = [[os.path.join(venv_bin, "python")]]
+        pythons = [[os.path.join(venv_bin(settings), "python")]]
         if settings.get("DLC_TF_PYTHON"):
             pythons.append([settings["DLC_TF_PYTHON"]])
     for i, python in enumerate(pythons):
@@ -234,14 +243,19 @@ def mark(ask):
     user = ray_user(raylet(), ask["storage"])
     rc, text = run(*as_user(*user), sys.executable, "-c", MARK,
                    os.path.join(ask["storage"], ask["marker"]), ask["text"], timeout=15)
-    print(json.dumps({"rc": rc, "out": text[-300:]}))
+    return {"rc": rc, "out": text[-300:]}
+
+
+def venv_bin(settings):
+    """A host-runtime node's virtualenv: the first folder of PATH in Ray's environment (roles/ray)."""
+    return settings.get("PATH", "").split(":")[0]
 
 
 def ray_command(runtime, settings):
     """The Ray command line Ray's own processes use on this node."""
     if runtime == "docker":
         return ["docker", "exec", "dlc-ray", "ray"]
-    return [os.path.join(settings.get("PATH", "").split(":")[0], "ray")]
+    return [os.path.join(venv_bin(settings), "ray")]
 
 
 def drain(ask):
@@ -264,33 +278,36 @@ def drain(ask):
 
 
 def quarantine(ask):
-    """Write the quarantine file (ask["reason"]); or stop Ray's service once its raylet has left
-    (None: drained, `ray start --block` outlives its raylet); or, releasing (""), remove the file
-    and restart Ray, unless its raylet still runs (drained but busy: its work has not ended)."""
-    if ask["reason"]:
-        with open(QUARANTINE + ".new", "w") as f:
-            f.write(ask["reason"] + "\n")
-        os.replace(QUARANTINE + ".new", QUARANTINE)
-        return {"rc": 0, "out": ""}
+    """The quarantine file written: Ray's unit will not start here."""
+    with open(QUARANTINE + ".new", "w") as f:
+        f.write(ask["reason"] + "\n")
+    os.replace(QUARANTINE + ".new", QUARANTINE)
+    return {"rc": 0, "out": ""}
+
+
+def stop_or_release(ask):
+    """Ray's service stopped (a drained raylet exits, `ray start --block` stays) or, releasing,
+    the quarantine file removed and Ray restarted. Only on a quarantined node whose raylet has
+    gone: 3 while the raylet still runs the work it was drained of, 4 when not quarantined."""
+    if not os.path.exists(QUARANTINE):
+        return {"rc": 4, "out": "it is not quarantined"}
     if raylet():
         return {"rc": 3, "out": "Ray still runs there: the work it was drained of has not ended"}
-    if ask["reason"] is None:
-        rc, out = run("systemctl", "stop", "dlc-ray", timeout=120)
-        return {"rc": rc, "out": out[-300:]}
-    if os.path.exists(QUARANTINE):
+    if ask["do"] == "release":
         os.remove(QUARANTINE)
-    rc, out = run("systemctl", "restart", "dlc-ray", timeout=120)
+    rc, out = run("systemctl", "stop" if ask["do"] == "stop" else "restart", "dlc-ray", timeout=120)
     return {"rc": rc, "out": out[-300:]}
 
 
 def main():
     ask = json.loads(sys.argv[1])
-    if "text" in ask:
-        return mark(ask)
-    if "node_id" in ask:
-        return print(json.dumps(drain(ask)))
-    if "reason" in ask:
-        return print(json.dumps(quarantine(ask)))
+    act = {"mark": mark, "drain": drain, "quarantine": quarantine, "stop": stop_or_release,
+           "release": stop_or_release, "check": check}[ask["do"]]
+    print(json.dumps(act(ask)))
+
+
+def check(ask):
+    """Everything the doctor compares, as this node sees it."""
     settings = env_file(RAY_ENV)
     proc = raylet()
     rc, service = run("systemctl", "is-active", "dlc-ray")
@@ -299,8 +316,6 @@ def main():
     rc, rules = run("iptables", "-S", "INPUT")
     try:
         st = os.stat(TOKEN)
-        import grp
-        import pwd
         token = {"owner": pwd.getpwuid(st.st_uid).pw_name, "group": grp.getgrgid(st.st_gid).gr_name,
                  "mode": "%04o" % (st.st_mode & 0o7777)}
     except (OSError, KeyError) as e:
@@ -332,7 +347,7 @@ def main():
     }
     if ask.get("gpus"):
         out["gpu"] = gpu(ask["runtime"], out["versions"].get("image"))
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -935,6 +935,13 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
                timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == (
         "doctor: node-2 released: back in Ray (3 of 3 nodes alive)"), proc.stdout + proc.stderr
+    pid = emulated.ssh("node-2", "systemctl show -p MainPID --value dlc-ray").stdout.strip()
+    again = run([str(BIN / "python"), "-m", "trainkit.doctor", "--release", "node-2"], emulated.env,
+                timeout=300)  # not quarantined any more: one line, its Ray untouched
+    assert again.returncode == 2 and again.stderr == (
+        "doctor: error: node-2: it is not quarantined; nothing changed (make doctor lists "
+        "quarantined nodes)\n"), again.stdout + again.stderr
+    assert emulated.ssh("node-2", "systemctl show -p MainPID --value dlc-ray").stdout.strip() == pid
     proc, report, lines = doctor(emulated)
     assert proc.returncode == 0 and lines == [], proc.stdout
 
