@@ -22,6 +22,8 @@ DASHBOARD_PORT  ?= 8265
 JOB             ?= ddp_autoencoder
 # extra flags for that job
 ARGS            ?=
+# files or folders of the checkout that `make submit` uploads beside the ones git tracks
+UPLOAD          ?=
 # extra flags for pytest
 PYTEST_ARGS     ?=
 # the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
@@ -47,7 +49,7 @@ $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files t
 endif
 
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
-       INVENTORY ANSIBLE_ARGS PYTEST_ARGS
+       INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD
 VENV := .venv
 PY   := $(VENV)/bin/python
 
@@ -79,7 +81,7 @@ attach: setup ## INVENTORY set: use a running cluster from this machine (its tok
 rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
 	@scripts/cluster.sh rotate-token
 
-submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit)
+submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
 	@ray/submit.sh $(JOB) $(ARGS)
 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,9 +203,9 @@ def up(a: argparse.Namespace) -> None:
     # own helpers (e.g. Train's PlacementGroupCleaner) otherwise find both and give up.
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token()),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_ADDRESS": gcs}
-    temp_root = f"/tmp/dlc-{os.getuid()}-{a.port}"
-    shutil.rmtree(temp_root, ignore_errors=True)
-    os.makedirs(temp_root, mode=0o700)  # sockets, logs and object store: this user's only
+    # sockets, logs and object store: this user's only (0700), under a name no one can guess or
+    # make first; the state file records it for `down` and `status`
+    temp_root = tempfile.mkdtemp(prefix=f"dlc-{a.port}-", dir="/tmp")
     common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
     # Recorded before anything starts, so `down` can clean up after a start that failed half-way.

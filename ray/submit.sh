@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make submit / make demo: `ray job submit` of jobs/JOB.py to the current cluster: the README's
 # line, plus the checkout's commit as data (DLC_SUBMIT_COMMIT), with the job API address and token
-# from the cluster record ($DLC_CONFIG/cluster.json, trainkit/record.py).
-#   usage: ray/submit.sh JOB [job flags...]
+# from the cluster record ($DLC_CONFIG/cluster.json, trainkit/record.py). What travels is what git
+# tracks, and the files UPLOAD names, staged in a private folder (trainkit/upload.py): nothing else.
+#   usage: [UPLOAD="data/x.csv ..."] ray/submit.sh JOB [job flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "submit: error: $*" >&2; exit 2; }
@@ -13,8 +14,13 @@ if [ ! -f "jobs/$job.py" ]; then
   jobs=(jobs/*.py); jobs=("${jobs[@]#jobs/}")
   die "no jobs/$job.py; JOB is one of: ${jobs[*]%.py}"
 fi
+# the client env: KEY=VALUE lines, read as data (never evaluated)
 client_env=$(.venv/bin/python -m trainkit.record env) || exit 2   # one line on a bad record
-eval "$client_env"
+while IFS= read -r line; do
+  line=${line#export }
+  [[ $line =~ ^[A-Z_][A-Z0-9_]*= ]] || continue
+  export "${line%%=*}=$(.venv/bin/python -c 'import shlex, sys; print(shlex.split(sys.argv[1])[0] if sys.argv[1] else "")' "${line#*=}")"
+done <<<"$client_env"
 api=${RAY_ADDRESS#http://}
 (exec 3<>"/dev/tcp/${api%:*}/${api##*:}") 2>/dev/null \
   || die "nothing answers on the job API $RAY_ADDRESS of the cluster record; run make cluster-up (for a remote cluster: it reopens the tunnel)"
@@ -24,5 +30,9 @@ if commit=$(git rev-parse HEAD 2>/dev/null); then
   [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty
   runtime_env=(--runtime-env-json "{\"env_vars\": {\"DLC_SUBMIT_COMMIT\": \"$commit\"}}")
 fi
-exec .venv/bin/ray job submit --address "$RAY_ADDRESS" --working-dir . "${runtime_env[@]}" \
-  -- python "jobs/$job.py" "$@"
+stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
+trap 'rm -rf "$stage"' EXIT
+read -ra named <<<"${UPLOAD:-}"
+.venv/bin/python -m trainkit.upload "$stage" "${named[@]}" || exit 2
+RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 .venv/bin/ray job submit --address "$RAY_ADDRESS" \
+  --working-dir "$stage" "${runtime_env[@]}" -- python "jobs/$job.py" "$@"

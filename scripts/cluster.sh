@@ -40,7 +40,11 @@ inventory=$(realpath "$INVENTORY")
 
 # The cluster's name is its inventory's folder (as roles/dlc works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
+[[ $name =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$ ]] \
+  || die "the cluster's name is its inventory's folder, '$name': rename the folder to letters, digits, . _ - (it names the cluster's files and goes into the ssh config)"
 config=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}
+[[ $config =~ ^[A-Za-z0-9._~/@:+%=,-]+$ ]] \
+  || die "DLC_CONFIG is '$config': it goes into the ssh config and commands as one word, so it may hold no spaces or quotes: choose another folder"
 mkdir -p "$config/clusters/$name" && chmod 700 "$config/clusters/$name"
 log="$config/clusters/$name/$action.log"
 

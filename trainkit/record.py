@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
@@ -128,6 +129,11 @@ class ClusterRecord(BaseModel):
                 # its result (Ray's CLI logger) are printed at any level.
                 "RAY_LOGGER_LEVEL": "warning"}
 
+    def client_env_text(self) -> str:
+        """ray-client.env: `export KEY=VALUE` lines, each value quoted for the shell (`source` it);
+        ray/submit.sh parses them without evaluating."""
+        return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.client_env().items())
+
     def write(self, config: Path | None = None) -> Path:
         """Write the record and its client env under clusters/<name>/ and make it current."""
         config = config or config_dir()
@@ -135,7 +141,7 @@ class ClusterRecord(BaseModel):
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
         text = self.model_dump_json(indent=2) + "\n"
-        env = "".join(f"export {k}={v}\n" for k, v in self.client_env().items())
+        env = self.client_env_text()
         for where in (folder, config):
             _write(where / RECORD, text)
             _write(where / CLIENT_ENV, env)
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         elif what == "show":
             print(load(path).model_dump_json(indent=2))
         elif what == "env":
-            print("".join(f"export {k}={v}\n" for k, v in load(path).client_env().items()), end="")
+            print(load(path).client_env_text(), end="")
         elif what == "check":
             r = load(path)
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "

@@ -12,19 +12,30 @@ import re
 RUNTIMES = ("docker", "host")
 STORAGES = ("nfs", "path")
 IMAGE_SOURCES = ("bastion", "registry", "archive", "control")
-# variables that must be absolute paths on the nodes
-PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "docker_image_dir")
+# variables that must be absolute paths on the nodes; they go into unit files (ExecStart, Where=),
+# the exports, `docker run -v` and shell commands, so each is one word of plain characters
+PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir", "ray_home",
+         "docker_image_dir", "dlc_registry_dir")
+PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 # whole numbers >= low ("" means "Ray decides" for the resources)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
            "dlc_ray_user_uid": 1, "ray_join_timeout": 1}
 PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
-         "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port")
+         "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port",
+         "dlc_registry_port", "docker_push_port")
+# `ray start` flags (a list, one item per argument): each item is quoted where it is used (the
+# unit's ExecStart, the container's shell), so JSON such as '{"nvme": 1}' stays one argument; no
+# quote, `$`, `%`, backslash or line break, which systemd or the shell would still read
+EXTRA_ARG = re.compile(r'[A-Za-z0-9 {}":,._=/+@\[\]-]*')
+# the cluster's name: its folder under $DLC_CONFIG/clusters and a word in the ssh config
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 # values written into the ssh config and command lines as one word: no spaces, newlines, quotes
 # or `#` that could end the word and start a directive (`ProxyCommand ...`) or a command
-WORDS = ("ansible_host", "ansible_user", "dlc_ssh_user", "dlc_ssh_key", "dlc_ssh_gateway", "dlc_image")
+WORDS = ("ansible_host", "ansible_user", "dlc_ssh_user", "dlc_ssh_key", "dlc_ssh_gateway", "dlc_image",
+         "docker_image_archive")
 WORD = re.compile(r"[A-Za-z0-9._~/@:+%=,\[\]-]+")
 # Ray's account: a POSIX account name
 ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
@@ -96,9 +107,14 @@ def host_problems(host: str, hv) -> list:
         out.append(f"{host}: dlc_shared_storage is '{hv['dlc_shared_storage']}': set nfs (the head "
                    f"exports it) or path (a filesystem you already share)")
     for name in PATHS:
-        if name in hv and not str(hv[name]).startswith("/"):
+        if name not in hv:
+            continue
+        if not str(hv[name]).startswith("/"):
             out.append(f"{host}: {name} is '{hv[name]}', not an absolute path: give the full path "
                        f"on the node, such as /srv/dlcluster")
+        elif not PATH.fullmatch(str(hv[name])):
+            out.append(f"{host}: {name} is {str(hv[name])!r}: it goes into unit files and commands "
+                       f"as one word, so use letters, digits and . _ - + @ / only (no spaces)")
     for name, low in NUMBERS.items():
         if name in hv and str(hv[name]).strip() != "":
             n = _whole(hv[name])
@@ -110,6 +126,12 @@ def host_problems(host: str, hv) -> list:
             n = _whole(hv[name])
             if n is None or not 1 <= n <= 65535:
                 out.append(f"{host}: {name} is '{hv[name]}': a port is a whole number from 1 to 65535")
+    if "firewall_public_tcp_ports" in hv:
+        ports = hv["firewall_public_tcp_ports"]
+        if not isinstance(ports, list) or any(not 1 <= (_whole(p) or 0) <= 65535 for p in ports):
+            out.append(f"{host}: firewall_public_tcp_ports is {ports!r}: give a list of ports from 1 "
+                       f"to 65535, such as [22]")
+    out.extend(extra_args_problems(host, hv))
     lo, hi = _whole(hv.get("ray_min_worker_port", 10002)), _whole(hv.get("ray_max_worker_port", 19999))
     if lo is not None and hi is not None and lo >= hi:
         out.append(f"{host}: ray_min_worker_port {lo} is not below ray_max_worker_port {hi}: give "
@@ -117,10 +139,79 @@ def host_problems(host: str, hv) -> list:
     return out
 
 
+def extra_args_problems(host: str, hv) -> list:
+    if "ray_start_extra_args" not in hv:
+        return []
+    args = hv["ray_start_extra_args"]
+    if not isinstance(args, list) or not all(isinstance(a, (str, int)) and not isinstance(a, bool)
+                                             for a in args):
+        return [f"{host}: ray_start_extra_args is {args!r}: give a list with one item per argument, "
+                f"such as [\"--resources\", '{{\"nvme\": 1}}']"]
+    bad = [a for a in map(str, args) if not EXTRA_ARG.fullmatch(a)]
+    return [f"{host}: ray_start_extra_args item {a!r} holds a quote, $, %, backslash or line break, "
+            f"which the unit file or the shell would read: give the value without them" for a in bad]
+
+
+def cidr_problems(nodes: list, hostvars) -> list:
+    """firewall_private_cidr, where set: a network (no host bits), no wider than a private network
+    can be (/8), and holding every node's private address (the nodes must reach each other)."""
+    out = []
+    addresses = {h: private_address(h, hostvars[h]) for h in nodes}
+    for host in nodes:
+        text = str(hostvars[host].get("firewall_private_cidr", "") or "")
+        if not text:
+            continue
+        try:
+            net = ipaddress.IPv4Network(text, strict=False)
+        except ValueError:
+            out.append(f"{host}: firewall_private_cidr is '{text}', not an IPv4 network: give the "
+                       f"private network as address/prefix, such as 10.0.0.0/24")
+            continue
+        if ipaddress.IPv4Interface(text).ip != net.network_address:
+            out.append(f"{host}: firewall_private_cidr is '{text}', an address, not a network: "
+                       f"did you mean {net}?")
+        elif net.prefixlen < 8:
+            out.append(f"{host}: firewall_private_cidr is '{text}': that lets {net.num_addresses:,} "
+                       f"addresses reach every port of the nodes; give the nodes' private network, "
+                       f"such as 10.0.0.0/24 (or leave it out: the network of the node's `ip`)")
+        else:
+            outside = [f"{h} ({a})" for h, a in addresses.items()
+                       if _ip(a) is not None and _ip(a) not in net]
+            if outside:
+                out.append(f"{host}: firewall_private_cidr {text} leaves out {', '.join(outside)}, "
+                           f"which the firewall would then refuse: give the network that holds "
+                           f"every node's `ip`")
+    return out
+
+
+def _ip(text: str):
+    try:
+        return ipaddress.IPv4Address(text)
+    except ValueError:
+        return None
+
+
+def merged(lines: list) -> list:
+    """The same problem on several hosts (a value set for all of them) as one line naming them."""
+    hosts: dict = {}
+    for line in lines:
+        host, _, what = line.partition(": ")
+        hosts.setdefault(what, []).append(host)
+    return [f"{', '.join(dict.fromkeys(h))}: {what}" for what, h in hosts.items()]
+
+
 def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None = None) -> list:
     """Every problem of the nodes (and the bastion's port and address), in inventory order.
     `cluster`: cluster-wide values as the play resolved them (checked once, as `all`)."""
     out = word_problems("all", cluster or {}) if cluster else []
+    config = (cluster or {}).get("dlc_config")
+    if config is not None and not WORD.fullmatch(str(config)):
+        out.append(f"all: DLC_CONFIG is {str(config)!r}: it goes into the ssh config and commands as one "
+                   f"word, so it may hold no spaces, quotes, `#` or line breaks: choose another folder")
+    name = (cluster or {}).get("dlc_cluster_name")
+    if name is not None and not NAME.fullmatch(str(name)):
+        out.append(f"all: the cluster's name is {str(name)!r} (dlc_cluster_name, else the inventory's "
+                   f"folder): use letters, digits, . _ - (a folder under $DLC_CONFIG/clusters)")
     seen = {}
     for host in nodes:
         hv = hostvars[host]
@@ -130,6 +221,7 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
             out.append(f"{host}: its private address {addr} is also {seen[addr]}'s: give each node "
                        f"its own `ip` (and ansible_host)")
         seen.setdefault(addr, host)
+    out.extend(cidr_problems(nodes, hostvars))
     bv = hostvars[bastion]
     out.extend(word_problems(bastion, bv, ("ansible_host", "ansible_user")))
     if "ansible_port" in bv and (_whole(bv["ansible_port"]) or 0) not in range(1, 65536):
@@ -141,7 +233,7 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
         except ValueError:
             out.append(f"{bastion}: its private address '{bv['ip']}' (`ip`) is not an IPv4 address: "
                        f"set it to the bastion's address on the nodes' network")
-    return out
+    return merged(out)
 
 
 class FilterModule:

@@ -6,7 +6,12 @@ Used by roles/control; tests/unit/test_ansible.py covers each case.
   package_problem:  nodes that cannot reach the package source they will use.
   account_problem:  nodes where Ray's uid or gid belongs to someone else, or Ray's account
                     exists with another uid (Ubuntu cloud images give 1000 to `ubuntu`).
+  network_problem:  nodes where no interface holds the private address, the firewall's network
+                    (firewall_private_cidr) is wider than the nodes' own, or the operator's
+                    shared path (dlc_shared_storage: path) is missing.
 """
+
+import ipaddress
 
 FIX_BASTION = ("set dlc_bastion_apt_proxy: false to use the bastion as a jump host only, and give "
                "the nodes your site's proxy (dlc_apt_proxy: http://host:port) or a route out")
@@ -94,7 +99,60 @@ def account_problem(results: list, user: str, uid: int) -> str:
             f"on every node (or dlc_ray_user to the account that has it); nothing was changed on any node")
 
 
+def _networks(stdout: str) -> dict:
+    """address -> (interface, its network) from `ip -o -4 addr show`."""
+    out = {}
+    for line in stdout.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] == "inet":
+            iface = ipaddress.IPv4Interface(f[3])
+            out[str(iface.ip)] = (f[1], iface.network)
+    return out
+
+
+def network_problem(results: list, addresses: dict, settings: dict) -> str:
+    """'' when every node has an interface with its private address, the firewall's network (where
+    firewall_private_cidr is set) is no wider than the smallest one holding the nodes' own networks,
+    and the shared path exists where the operator shares one; else one line per problem.
+    results: the loop over nodes of `ip -o -4 addr show; echo storage yes|no`; settings: host ->
+    {cidr, storage, path}."""
+    problems, nets = [], {}
+    for r in results:
+        host = r["item"]
+        addr, s = addresses[host], settings[host]
+        if r.get("rc", 1) != 0:
+            problems.append(f"{host}: could not list its addresses ({(r.get('stderr') or '').strip()[:120]})")
+            continue
+        found = _networks(r.get("stdout", ""))
+        if addr not in found:
+            problems.append(f"{host}: no interface has the address {addr} (it has "
+                            f"{', '.join(sorted(found)) or 'none'}): set `ip` on this host in the "
+                            f"inventory to its address on the private network")
+        else:
+            nets[host] = found[addr][1]
+        if s.get("storage") == "path" and "storage yes" not in r.get("stdout", ""):
+            problems.append(f"{host}: dlc_shared_storage_path {s.get('path')} does not exist: mount the "
+                            f"shared filesystem there on every node, or set dlc_shared_storage: nfs")
+    if nets:
+        low = min(int(n.network_address) for n in nets.values())
+        high = max(int(n.broadcast_address) for n in nets.values())
+        span = next(n for n in (ipaddress.IPv4Network((low, p), strict=False) for p in range(32, -1, -1))
+                    if int(n.broadcast_address) >= high)
+        for host in addresses:
+            cidr = settings[host].get("cidr") or ""
+            if cidr and host in nets and ipaddress.IPv4Network(cidr, strict=False).prefixlen < span.prefixlen:
+                problems.append(f"{host}: firewall_private_cidr {cidr} is wider than the nodes' private "
+                                f"network {span}: every address in it could reach Ray's ports; give "
+                                f"{span} (or leave it out)")
+    merged: dict = {}
+    for line in problems:
+        host, _, what = line.partition(": ")
+        merged.setdefault(what, []).append(host)
+    return "; ".join(f"{', '.join(h)}: {what}" for what, h in merged.items())
+
+
 class FilterModule:
     def filters(self):
         return {"dlc_bastion_problem": bastion_problem, "dlc_package_problem": package_problem,
+                "dlc_network_problem": network_problem,
                 "dlc_account_problem": account_problem, "dlc_account_probe": lambda _: ACCOUNT_PROBE}

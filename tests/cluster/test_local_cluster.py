@@ -1,7 +1,9 @@
 """The embedded cluster: separate `ray start` nodes, token auth, loopback-only dashboard, and a
 `down` that stops only its own processes."""
 
+import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -29,11 +31,19 @@ def test_nodes_joined_and_token_is_required(cluster):
     assert "auth" in (denied.stdout + denied.stderr).lower()
 
 
+def temp_root_of(config) -> str:
+    """The local cluster's temp folder, as its state file records it."""
+    return json.loads((config / "clusters" / "local" / "state.json").read_text())["temp_root"]
+
+
 def test_token_and_folders_are_private_and_outside_the_repo(cluster):
     token = cluster.config / "clusters" / "local" / "ray_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(f"/tmp/dlc-{os.getuid()}-6390").st_mode) == 0o700
+    temp_root = temp_root_of(cluster.config)
+    assert stat.S_IMODE(os.stat(temp_root).st_mode) == 0o700
+    # a name no other local user can guess and make first
+    assert re.fullmatch(r"/tmp/dlc-6390-[A-Za-z0-9_]{8}", temp_root), temp_root
     assert len(token.read_text()) == 64
     assert not token.resolve().is_relative_to(REPO)
 
@@ -64,15 +74,17 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
     sys.path.insert(0, str(REPO / "ray"))
     from local_cluster import cluster_pids
 
-    main_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6390", 6390)
+    main_pids = cluster_pids(temp_root_of(cluster.config), 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
     assert record.load(tmp_path / "cluster.json").job_api == "http://127.0.0.1:8295"
-    other_pids = cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395)
+    other_root = temp_root_of(tmp_path)
+    other_pids = cluster_pids(other_root, 6395)
     assert other_pids and not set(other_pids) & set(main_pids)
     assert "stopped" in other.script("down").stdout
     assert not (tmp_path / "cluster.json").exists()  # its record goes with it
     assert (cluster.config / "cluster.json").exists()
-    assert cluster_pids(f"/tmp/dlc-{os.getuid()}-6395", 6395) == []  # Ray Client server too
+    assert cluster_pids(other_root, 6395) == []  # Ray Client server too
+    assert not os.path.exists(other_root)
     for pid in main_pids:
         assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"
     assert "nothing to stop" in other.script("down").stdout

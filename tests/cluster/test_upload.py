@@ -1,5 +1,6 @@
-"""Nothing secret or local travels with a job: untracked keys and inventories dropped into the
-checkout are absent where the job runs (the driver and a task on each node), so is git's config;
+"""Nothing secret or local travels with a job: untracked keys, inventories and credentials dropped
+into the checkout are absent where the job runs (the driver and a task on each node), so is git's
+config; `make submit` uploads only what git tracks (an untracked script stays behind too);
 the commit travels as data (`make submit`: DLC_SUBMIT_COMMIT) and the manifest names both it and
 the content-addressed package of the code that ran."""
 
@@ -13,11 +14,14 @@ from pathlib import Path
 
 from conftest import BIN, REPO, read_manifest
 
-DROPPED = ["id_ed25519", "ansible/inventories/mylab/hosts.yml"]
+# keys and inventories (which the plain `--working-dir .` leaves behind too, by name), credentials
+# by their usual names, and a script never added to git (only `make submit` leaves that behind)
+DROPPED = ["id_ed25519", "ansible/inventories/mylab/hosts.yml", ".env", ".netrc", "credentials.json",
+           ".aws/config", "jobs/untracked_script.py"]
 PROBE = """
 import json, os, ray
-names = ["id_ed25519", "ansible/inventories/mylab/hosts.yml", ".git/config", ".git/HEAD",
-         "jobs/ddp_autoencoder.py"]
+names = ["id_ed25519", "ansible/inventories/mylab/hosts.yml", ".env", ".netrc", "credentials.json",
+         ".aws/config", ".git/config", ".git/HEAD", "jobs/ddp_autoencoder.py"]
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
 seen = lambda: (ray.get_runtime_context().get_node_id(), {n: os.path.exists(n) for n in names})
 ray.init()
@@ -43,7 +47,8 @@ def test_untracked_secrets_stay_on_the_client_and_the_commit_travels_as_data(clu
         seen = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("SEEN "))[5:])
         assert len({node for node, _ in seen}) == 2, seen  # the driver's node and the other one
         for _, files in seen:
-            assert files == {"id_ed25519": False, "ansible/inventories/mylab/hosts.yml": False,
+            assert files == {"id_ed25519": False, "ansible/inventories/mylab/hosts.yml": False, ".env": False,
+                             ".netrc": False, "credentials.json": False, ".aws/config": False,
                              ".git/config": False, ".git/HEAD": True, "jobs/ddp_autoencoder.py": True}
 
         out = tmp_path / "model"
@@ -54,9 +59,19 @@ def test_untracked_secrets_stay_on_the_client_and_the_commit_travels_as_data(clu
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
         assert sub.returncode == 0, sub.stdout[-3000:]
     finally:
-        (REPO / "id_ed25519").unlink(missing_ok=True)
+        for name in DROPPED:
+            (REPO / name).unlink(missing_ok=True)
         shutil.rmtree(REPO / "ansible/inventories/mylab", ignore_errors=True)
+        shutil.rmtree(REPO / ".aws", ignore_errors=True)
     m = read_manifest(out)
+    # make submit's upload, as every node unpacked it for the job's workers: what git tracks
+    package = m["working_dir"].removeprefix("gcs://").removesuffix(".zip")
+    temp_root = json.loads((cluster.config / "clusters/local/state.json").read_text())["temp_root"]
+    unpacked = sorted(Path(temp_root).glob(f"*/session_*/runtime_resources/working_dir_files/{package}"))
+    assert len({p.relative_to(temp_root).parts[0] for p in unpacked}) == 2, unpacked  # head and node1
+    for folder in unpacked:
+        assert (folder / "jobs/ddp_autoencoder.py").is_file() and (folder / ".git/HEAD").is_file()
+        assert [name for name in DROPPED if (folder / name).exists()] == [], folder
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert m["git_commit"] in (head, f"{head}-dirty"), m["git_commit"]

@@ -48,6 +48,18 @@ def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
         assert ip in known
     assert oct((emulated.cluster_dir / "ray_token").stat().st_mode & 0o777) == "0o600"
     assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+    # ray_start_extra_args' JSON reached `ray start` whole, through the unit file (host runtime)
+    # and the container's shell (node-3)
+    status, body = emulated.api("/api/v0/nodes?limit=100&detail=true", emulated.token())
+    assert status == 200
+    resources = {n["node_ip"]: n["resources_total"] for n in body["data"]["result"]["result"]}
+    assert all(r.get("emulated") == 1 for r in resources.values()), resources
+    # node-3's container runs as Ray's account, uid and gid 1002, which its image does not know
+    # (its `dlc` is 1000): the token, root:raysvc 0640, is readable there
+    ids = run(["docker", "exec", "dlc-emu-node-3", "docker", "exec", "dlc-ray", "sh", "-c",
+               "id -u; id -g; echo $HOME $USER; head -c 4 /etc/dlcluster/ray_token | wc -c"],
+              emulated.env, check=True).stdout.split()
+    assert ids == ["1002", "1002", "/var/lib/dlcluster/home", "raysvc", "4"], ids
 
 
 def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated):
@@ -85,6 +97,29 @@ def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
     else:  # the same image from an earlier run of this commit: nothing to ship
         push = r"TASK \[docker : Push the image[^\n]*\n(skipping: \[node-\d\]\n)*skipping: \[node-3\]"
         assert re.search(push, emulated.up.stdout), emulated.up.stdout[-3000:]
+
+
+def test_nfs_and_rpcbind_never_start_without_the_firewall(emulated):
+    """The NFS server and rpcbind listen on every interface: like Ray, they require the firewall,
+    so a firewall that fails at boot leaves them down. Their packages installed on node-2 here (the
+    emulated cluster shares a path instead: a kernel NFS server cannot run in these containers),
+    with service starts held back, then systemd asked what each unit requires."""
+    install = ("printf '#!/bin/sh\\nexit 101\\n' >/usr/sbin/policy-rc.d && "
+               "chmod 755 /usr/sbin/policy-rc.d && "
+               "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+               "nfs-kernel-server >/dev/null; rc=$?; rm -f /usr/sbin/policy-rc.d; exit $rc")
+    proc = emulated.ssh("node-2", "sudo", "sh", "-c", shlex.quote(install), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    units = ["nfs-server.service", "rpcbind.service", "rpcbind.socket"]
+    shown = emulated.ssh("node-2", "systemctl", "show", "-p", "Id", "-p", "LoadState", "-p", "Requires",
+                         "-p", "After", *units).stdout
+    for block in shown.strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines())
+        print(props["Id"], props["Requires"])
+        assert props["LoadState"] == "loaded", props
+        assert "dlc-firewall.service" in props["Requires"].split(), props
+        assert "dlc-firewall.service" in props["After"].split(), props
+    assert len(shown.strip().split("\n\n")) == 3, shown
 
 
 def test_nodes_are_reachable_only_through_the_bastion(emulated, tmp_path):
@@ -669,6 +704,11 @@ def _inventory(tmp_path: Path, name: str, text: str) -> Path:
 EMULATED = (REPO / "ansible/inventories/emulated/hosts.yml").read_text()
 
 
+def _set(line: str):
+    """An edit that sets one more cluster-wide variable."""
+    return lambda t: t.replace("    ray_object_store_memory:", f"    {line}\n    ray_object_store_memory:")
+
+
 BAD_INVENTORIES = {  # name -> (edit of the emulated inventory, what the one line says)
     "no-bastion": (lambda t: re.sub(r"    bastions:\n      hosts:\n        bastion:\n.*\n.*\n", "", t),
                    "names 0 bastions"),
@@ -679,10 +719,48 @@ BAD_INVENTORIES = {  # name -> (edit of the emulated inventory, what the one lin
                     "does not exist"),
     "unparsable": (lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
     # as on Ubuntu's cloud images, whose `ubuntu` login holds uid 1000: here `ops` holds 1001
-    "uid-taken": (lambda t: t.replace("    ray_object_store_memory:", "    dlc_ray_user: raysvc\n"
-                                      "    dlc_ray_user_uid: 1001\n    ray_object_store_memory:"),
+    "uid-taken": (lambda t: t.replace("    dlc_ray_user: raysvc\n    dlc_ray_user_uid: 1002\n",
+                                      "    dlc_ray_user: opsray\n    dlc_ray_user_uid: 1001\n"),
                   "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; "
                   "node-3: uid 1001 belongs to ops"),
+    # every value that reaches a root shell, a unit file or the firewall, checked first
+    "cidr-prefix-33": (_set("firewall_private_cidr: 172.31.251.0/33"),
+                       "node-1, node-2, node-3: firewall_private_cidr is '172.31.251.0/33', not an IPv4"),
+    "cidr-everything": (_set("firewall_private_cidr: 0.0.0.0/0"),
+                        "node-1, node-2, node-3: firewall_private_cidr is '0.0.0.0/0': that lets "
+                        "4,294,967,296 addresses"),
+    "cidr-misses-nodes": (_set("firewall_private_cidr: 172.31.251.8/30"),
+                          "firewall_private_cidr 172.31.251.8/30 leaves out node-2 (172.31.251.12), "
+                          "node-3 (172.31.251.13)"),
+    # asked of the nodes (their interfaces' networks are /24), before any change
+    "cidr-wider-than-nodes": (_set("firewall_private_cidr: 172.31.0.0/16"),
+                              "node-1, node-2, node-3: firewall_private_cidr 172.31.0.0/16 is wider than "
+                              "the nodes' private "
+                              "network 172.31.251.0/24"),
+    "address-on-no-interface": (lambda t: t.replace("          ansible_host: 172.31.251.12\n",
+                                                    "          ansible_host: 172.31.251.12\n"
+                                                    "          ip: 172.31.251.99\n"),
+                                "node-2: no interface has the address 172.31.251.99"),
+    "shared-path-missing": (lambda t: t.replace("dlc_shared_storage_path: /srv/dlcluster",
+                                                "dlc_shared_storage_path: /srv/nowhere"),
+                            "node-1, node-2, node-3: dlc_shared_storage_path /srv/nowhere does not exist"),
+    "path-with-space": (lambda t: t.replace("dlc_shared_storage_path: /srv/dlcluster",
+                                            'dlc_shared_storage_path: "/srv/dl cluster"'),
+                        "dlc_shared_storage_path is '/srv/dl cluster': it goes into unit files"),
+    "state-dir-with-semicolon": (_set("ray_state_dir: /var/lib/dlc;reboot"),
+                                 "ray_state_dir is '/var/lib/dlc;reboot'"),
+    "extra-args-a-string": (lambda t: re.sub(r"    ray_start_extra_args: .*\n",
+                                             "    ray_start_extra_args: \"--resources '{\\\"x\\\": 1}'\"\n",
+                                             t),
+                            "give a list with one item per argument"),
+    "extra-args-dollar": (lambda t: re.sub(r"    ray_start_extra_args: .*\n",
+                                           "    ray_start_extra_args: [--labels, '$(reboot)']\n", t),
+                          "ray_start_extra_args item '$(reboot)' holds a quote, $"),
+    "registry-port-zero": (_set("dlc_registry_port: 0"), "dlc_registry_port is '0': a port is a whole"),
+    "push-port-too-big": (_set("docker_push_port: 70000"), "docker_push_port is '70000'"),
+    "public-port-out-of-range": (_set("firewall_public_tcp_ports: [22, 65536]"),
+                                 "firewall_public_tcp_ports is [22, 65536]"),
+    "cluster-name-slash": (_set("dlc_cluster_name: team/lab"), "all: the cluster's name is 'team/lab'"),
 }
 
 

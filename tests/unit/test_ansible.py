@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -216,12 +217,13 @@ def test_ray_unit_requires_the_shared_storage_mount():
                              undefined=jinja2.StrictUndefined)
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
     env.filters["bool"] = bool
+    env.filters["quote"] = shlex.quote  # Ansible's quote
     node = dict(ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
                 dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
                 dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
                 dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray",
                 ray_home="/var/lib/ray", dlc_image="dlcluster:gpu",
-                ray_start_args=["--address=10.0.0.1:6379"])
+                ray_start_args=["--address=10.0.0.1:6379", "--resources", '{"nvme": 1, "ssd": 2}'])
     unit = env.get_template("dlc-ray.service.j2").render(**node)
     lines = unit.splitlines()
     assert "RequiresMountsFor=/srv/data" in lines
@@ -234,6 +236,18 @@ def test_ray_unit_requires_the_shared_storage_mount():
     script = env.get_template("dlc-ray-container.j2").render(**node)
     start = next(line.strip() for line in script.splitlines() if line.strip().startswith("exec docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
+    # Ray's uid and its group: the token (root:Ray's group, 0640) is readable whatever the image's
+    # own user is (an operator's dlc_ray_user_uid other than its 1000 has no entry there)
+    assert "--user 1500:1500" in start
+    # the shell reads the JSON resources as one argument
+    assert shlex.split(start)[-4:] == ["--block", "--address=10.0.0.1:6379", "--resources",
+                                       '{"nvme": 1, "ssd": 2}']
+    host = env.get_template("dlc-ray.service.j2").render(**{**node, "dlc_ray_runtime": "host",
+                                                            "dlc_venv": "/opt/venv"})
+    exec_start = next(line for line in host.splitlines() if line.startswith("ExecStart="))
+    # systemd splits ExecStart as a shell would for single quotes (no $, %, backslash: the
+    # inventory check refuses them in ray_start_extra_args)
+    assert shlex.split(exec_start)[-2:] == ["--resources", '{"nvme": 1, "ssd": 2}'], exec_start
     assert "--network host" in start and "-v /etc/dlcluster/ray_token:/etc/dlcluster/ray_token:ro" in start
     # the container still running after an engine restart is followed, not replaced
     assert "exec docker attach --no-stdin --sig-proxy=false dlc-ray" in script
@@ -435,6 +449,44 @@ def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(t
     finally:
         holder.kill()
         holder.wait()
+
+
+IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
+2: eth0    inet {addr}/24 brd 172.31.251.255 scope global eth0\\       valid_lft forever preferred_lft forever
+3: eth1    inet 172.31.252.11/24 brd 172.31.252.255 scope global eth1\\       valid_lft forever
+storage {storage}
+"""
+
+
+@pytest.mark.parametrize("addr,storage,cidr,expect", [
+    ("172.31.251.11", "yes", "", ""),
+    ("172.31.251.11", "yes", "172.31.251.0/24", ""),
+    ("172.31.251.11", "yes", "172.31.251.0/25", ""),  # narrower: the inventory check wants every node in it
+    ("172.31.251.11", "yes", "172.31.0.0/16",
+     "node-1: firewall_private_cidr 172.31.0.0/16 is wider than the nodes' private network 172.31.251.0/24"),
+    ("172.31.251.99", "yes", "", "node-1: no interface has the address 172.31.251.11 (it has 127.0.0.1, "
+                                 "172.31.251.99, 172.31.252.11): set `ip` on this host"),
+    ("172.31.251.11", "no", "", "node-1: dlc_shared_storage_path /srv/dlcluster does not exist: mount"),
+])
+def test_network_problem_names_the_address_the_firewalls_network_and_the_shared_path(addr, storage, cidr,
+                                                                                     expect):
+    """What `ip -o -4 addr show` says on a node (its real format), against the inventory."""
+    results = [{"item": "node-1", "rc": 0, "stdout": IP_ADDR.format(addr=addr, storage=storage)}]
+    settings = {"node-1": {"cidr": cidr, "storage": "path", "path": "/srv/dlcluster"}}
+    line = dlc_preflight.network_problem(results, {"node-1": "172.31.251.11"}, settings)
+    assert line.startswith(expect) and (expect or line == ""), line
+
+
+def test_network_problem_takes_the_span_of_nodes_on_two_subnets():
+    """Nodes on two routed subnets: the firewall's network may span both, no more."""
+    results = [{"item": f"n{i}", "rc": 0, "stdout": f"2: eth0    inet 10.0.{i}.5/24 brd x\nstorage yes\n"}
+               for i in (0, 1)]
+    addrs = {"n0": "10.0.0.5", "n1": "10.0.1.5"}
+    ok = {h: {"cidr": "10.0.0.0/23", "storage": "nfs", "path": "/srv"} for h in addrs}
+    wide = {h: {"cidr": "10.0.0.0/22", "storage": "nfs", "path": "/srv"} for h in addrs}
+    assert dlc_preflight.network_problem(results, addrs, ok) == ""
+    line = dlc_preflight.network_problem(results, addrs, wide)
+    assert "wider than the nodes' private network 10.0.0.0/23" in line, line
 
 
 @pytest.mark.parametrize("stdout,expect", [

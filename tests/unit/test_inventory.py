@@ -39,7 +39,7 @@ BAD = [
     ("two-nodes-one-address", lambda t: t.replace(NODE3, NODE2),
      "gpu-node-3: its private address 10.0.0.12 is also gpu-node-2's: give each node its own `ip`"),
     ("runtime-unknown", lambda t: t.replace("dlc_ray_runtime: docker", "dlc_ray_runtime: podman"),
-     "gpu-node-1: dlc_ray_runtime is 'podman': set docker (Ray in the project's image) or host"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: dlc_ray_runtime is 'podman': set docker (Ray in"),
     ("runtime-per-host", on(NODE3, "          dlc_ray_runtime: Docker\n"),
      "gpu-node-3: dlc_ray_runtime is 'Docker'"),
     ("image-from-unknown", on(NODE3, "          docker_image_from: scp\n"),
@@ -48,9 +48,9 @@ BAD = [
      on(NODE2, "          docker_image_from: archive\n          docker_image_archive: ''\n"),
      "gpu-node-2: docker_image_from is archive but docker_image_archive is empty"),
     ("storage-unknown", lambda t: t.replace("dlc_shared_storage: nfs", "dlc_shared_storage: ceph"),
-     "gpu-node-1: dlc_shared_storage is 'ceph': set nfs"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: dlc_shared_storage is 'ceph': set nfs"),
     ("storage-path-relative", lambda t: t.replace(VARS, "    dlc_shared_storage_path: srv/dlcluster\n"),
-     "gpu-node-1: dlc_shared_storage_path is 'srv/dlcluster', not an absolute path"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: dlc_shared_storage_path is 'srv/dlcluster', not an absolute path"),
     ("venv-relative", on(VARS, "    dlc_venv: venv\n"), "dlc_venv is 'venv', not an absolute path"),
     ("state-dir-relative", on(NODE2, "          ray_state_dir: ~/ray\n"),
      "gpu-node-2: ray_state_dir is '~/ray', not an absolute path"),
@@ -82,6 +82,42 @@ BAD = [
     ("key-path-with-quote", on(VARS, "    dlc_ssh_key: ~/.ssh/id'x\n"), "dlc_ssh_key is \"~/.ssh/id'x\""),
     ("ray-user-upper-case", on(VARS, "    dlc_ray_user: Ray Svc\n"),
      "dlc_ray_user is 'Ray Svc': an account name is lower case letters"),
+    # the firewall's network: a network, not all of IPv4, holding every node
+    ("cidr-prefix-33", on(VARS, "    firewall_private_cidr: 10.0.0.0/33\n"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_cidr is '10.0.0.0/33', not an IPv4 network"),
+    ("cidr-everything", on(VARS, "    firewall_private_cidr: 0.0.0.0/0\n"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_cidr is '0.0.0.0/0': that lets 4,294,967,296"),
+    ("cidr-host-bits", on(VARS, "    firewall_private_cidr: 10.0.0.11/24\n"),
+     "firewall_private_cidr is '10.0.0.11/24', an address, not a network: did you mean 10.0.0.0/24?"),
+    ("cidr-misses-a-node", on(VARS, "    firewall_private_cidr: 10.0.0.0/29\n"),
+     "firewall_private_cidr 10.0.0.0/29 leaves out gpu-node-1 (10.0.0.11), gpu-node-2 (10.0.0.12)"),
+    # paths go into unit files and shell commands as one word
+    ("storage-path-with-space", lambda t: t.replace(VARS, '    dlc_shared_storage_path: "/srv/dl cluster"\n'),
+     "gpu-node-1, gpu-node-2, gpu-node-3: dlc_shared_storage_path is '/srv/dl cluster': it goes into unit"),
+    ("state-dir-with-semicolon", on(NODE2, "          ray_state_dir: /var/lib/dlc;reboot\n"),
+     "gpu-node-2: ray_state_dir is '/var/lib/dlc;reboot'"),
+    ("registry-dir-with-dollar", on(VARS, "    dlc_registry_dir: /var/lib/$HOME\n"),
+     "dlc_registry_dir is '/var/lib/$HOME'"),
+    # Ray's extra flags: a list, each item quoted where used
+    ("extra-args-a-string", on(VARS, "    ray_start_extra_args: \"--resources '{\\\"nvme\\\": 1}'\"\n"),
+     "ray_start_extra_args is '--resources \\'{\"nvme\": 1}\\'': give a list with one item per argument"),
+    ("extra-args-dollar", on(VARS, "    ray_start_extra_args: [--labels, '$(id)']\n"),
+     "ray_start_extra_args item '$(id)' holds a quote, $, %, backslash or line break"),
+    ("registry-port-zero", on(VARS, "    dlc_registry_port: 0\n"), "dlc_registry_port is '0': a port"),
+    ("push-port-too-big", on(VARS, "    docker_push_port: 70000\n"), "docker_push_port is '70000'"),
+    ("public-ports-not-a-list", on(VARS, "    firewall_public_tcp_ports: 22\n"),
+     "firewall_public_tcp_ports is 22: give a list of ports from 1 to 65535"),
+    ("public-port-out-of-range", on(VARS, "    firewall_public_tcp_ports: [22, 65536]\n"),
+     "firewall_public_tcp_ports is [22, 65536]"),
+    ("archive-with-space", on(NODE3, "          docker_image_archive: /tmp/my image.tar\n"),
+     "gpu-node-3: docker_image_archive is '/tmp/my image.tar'"),
+]
+
+# Values only the play resolves (checked once, as `all`): the cluster's name and the config folder
+CLUSTER_BAD = [
+    ({"dlc_cluster_name": "team/lab"}, "all: the cluster's name is 'team/lab'"),
+    ({"dlc_cluster_name": "../lab"}, "all: the cluster's name is '../lab'"),
+    ({"dlc_config": "/home/me/my config"}, "all: DLC_CONFIG is '/home/me/my config'"),
 ]
 
 
@@ -112,6 +148,22 @@ def test_a_bad_inventory_is_one_line_naming_host_variable_and_fix(tmp_path, name
     assert all("\n" not in line for line in found)
 
 
+@pytest.mark.parametrize("cluster,expect", CLUSTER_BAD)
+def test_the_cluster_name_and_config_folder_are_one_word(tmp_path, cluster, expect):
+    inv = parsed(tmp_path, EXAMPLE)
+    nodes = [*inv["ray_head"]["hosts"], *inv["ray_workers"]["hosts"]]
+    found = dlc_inventory.inventory_problems(nodes, inv["_meta"]["hostvars"], inv["bastions"]["hosts"][0],
+                                             {"dlc_cluster_name": "lab", "dlc_config": "/home/me/.config/dlc",
+                                              **cluster})
+    assert len(found) == 1 and found[0].startswith(expect), found
+
+
+def test_json_in_extra_args_and_a_firewall_network_that_holds_every_node_pass(tmp_path):
+    text = on(VARS, "    ray_start_extra_args: [\"--resources\", '{\"nvme\": 1, \"a_b\": 2}']\n"
+                    "    firewall_private_cidr: 10.0.0.0/24\n")(EXAMPLE)
+    assert problems(parsed(tmp_path, text)) == []
+
+
 @pytest.mark.parametrize("edit,expect", [
     (lambda t: t.replace(NODE2, "          ansible_host: 10.0.0.300\n"),
      "cluster-up: error: gpu-node-2: its private address '10.0.0.300'"),
@@ -130,6 +182,21 @@ def test_cluster_up_stops_on_the_first_check_before_any_connection(tmp_path, edi
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(expect), last
     assert "Log in to the bastion" not in proc.stdout
+
+
+@pytest.mark.parametrize("folder,config,expect", [
+    ("my lab", "config", "cluster-up: error: the cluster's name is its inventory's folder, 'my lab': rename"),
+    ("lab", "my config", "cluster-up: error: DLC_CONFIG is "),
+])
+def test_a_cluster_name_or_config_folder_not_one_word_is_refused_first(tmp_path, folder, config, expect):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "hosts.yml").write_text(EXAMPLE)
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path / config),
+           "INVENTORY": str(tmp_path / folder / "hosts.yml")}
+    proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(expect), proc.stderr
+    assert not (tmp_path / config / "clusters").exists()  # nothing written
 
 
 @pytest.mark.parametrize("config", ["cfg", ".", "ansible/inventories"])

@@ -2,6 +2,7 @@
 Ansible control role's template), and the client env made from it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,7 @@ def test_write_makes_the_cluster_current_with_its_client_env(tmp_path):
     env = (tmp_path / "ray-client.env").read_text().splitlines()
     assert env == ["export RAY_ADDRESS=http://127.0.0.1:8265", "export RAY_AUTH_MODE=token",
                    f"export RAY_AUTH_TOKEN_PATH={r.token_path}",
-                   "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=", "export RAY_LOGGER_LEVEL=warning"]
+                   "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=''", "export RAY_LOGGER_LEVEL=warning"]
 
 
 def ansible_template(**facts) -> dict:
@@ -139,3 +140,28 @@ def test_the_command_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("record: error: no cluster record at ")
     schema = json.loads(subprocess.run([*run, "schema"], cwd=REPO, capture_output=True, text=True).stdout)
     assert set(schema["required"]) >= {"name", "kind", "job_api", "token_path", "nodes"}
+
+
+def test_the_client_env_is_read_as_data_never_run(tmp_path):
+    """A value with shell syntax in it (here a token path) reaches `ray job submit` as it is:
+    `source ray-client.env` and ray/submit.sh both read it as text, and nothing it names runs."""
+    import shlex
+    import subprocess
+
+    marker = tmp_path / "ran"
+    odd = f"/tmp/a dir/$(touch {marker})/`touch {marker}`/ray_token"
+    r = record.ClusterRecord.model_validate(remote(token_path=odd, job_api="http://127.0.0.1:9"))
+    r.write(tmp_path)
+    text = (tmp_path / "ray-client.env").read_text()
+    assert f"export RAY_AUTH_TOKEN_PATH={shlex.quote(odd)}\n" in text
+    script = f"source {tmp_path}/ray-client.env && printf %s \"$RAY_AUTH_TOKEN_PATH\""
+    sourced = subprocess.run(["bash", "-c", script],
+                             capture_output=True, text=True, check=True).stdout
+    assert sourced == odd and not marker.exists()
+    # make submit: the env parsed, then one line (nothing answers on port 9), nothing run
+    proc = subprocess.run(["ray/submit.sh", "ddp_autoencoder"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "DLC_CONFIG": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 2 and not marker.exists(), proc.stderr
+    assert proc.stderr.strip() == ("submit: error: nothing answers on the job API http://127.0.0.1:9 of "
+                                   "the cluster record; run make cluster-up (for a remote cluster: it "
+                                   "reopens the tunnel)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import uuid
 import zipfile
 from pathlib import Path
 
+import pytest
 from ray._private.runtime_env.packaging import _zip_files
 
 from trainkit import onnx_export, record
@@ -36,7 +38,8 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     _git("config", "remote.origin.url", f"https://user:{secret}@git.example.org/team/dlc.git", cwd=clone)
     dropped = ["id_ed25519", "jobs/id_rsa.pub", "deploy.pem", "ansible/inventories/mylab/hosts.yml",
                "ansible/inventories/mylab/group_vars/all.yml", "clusters/lab/ray_token",
-               "myvenv/pyvenv.cfg", ".venv-test/bin/python",
+               "myvenv/pyvenv.cfg", ".venv-test/bin/python", ".env", "jobs/.env.local", ".netrc",
+               "credentials.json", ".aws/config", "id_dsa", "deploy.ppk",
                # Ray's own default excludes are off (ray-client.env): the ignore files name them
                *[f"{folder}/left-behind" for folder in record.EXCLUDES],
                *[f"jobs/{folder}/left-behind" for folder in record.EXCLUDES]]
@@ -88,3 +91,59 @@ def test_the_package_a_job_ran_is_named_from_its_job_config(monkeypatch):
     assert onnx_export.working_dir_package() == "gcs://_ray_pkg_0f1e2d3c4b5a6978.zip"
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
     assert onnx_export.working_dir_package() is None
+
+
+def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path):
+    """`make submit`'s upload (trainkit/upload.py, then Ray's packaging of that folder with the
+    ignore rules off, as ray/submit.sh runs it): the tracked files as they are in the working
+    tree, the named ones, the commit; no secret whatever its name, no file never added."""
+    from trainkit import upload
+
+    clone = tmp_path / "checkout"
+    _git("clone", "-q", str(REPO), str(clone), cwd=tmp_path)
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    dropped = [".env", ".netrc", "credentials.json", ".aws/config", ".aws/credentials", "id_dsa",
+               "deploy.ppk", "jobs/untracked_script.py", "trainkit/.env.local", "data/big.csv"]
+    for name in dropped:
+        (clone / name).parent.mkdir(parents=True, exist_ok=True)
+        (clone / name).write_text(secret + "\n")
+    job = clone / "jobs/ddp_autoencoder.py"
+    job.write_text(job.read_text() + "# edited\n")
+    (clone / "notes").mkdir()
+    (clone / "notes/small.csv").write_text("a,b\n1,2\n")
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    files = upload.stage(clone, stage, ["notes"])
+    tracked = set(_git("ls-files", cwd=clone).splitlines()) - {".rayignore"}
+    assert set(files) == tracked | {"notes/small.csv"}
+    # an edit not yet committed travels (the commit's name then says -dirty: make submit)
+    assert (stage / "jobs/ddp_autoencoder.py").read_text().endswith("# edited\n")
+    assert (stage / "jobs/trainkit").is_symlink()
+    _zip_files(str(stage), [], str(tmp_path / "pkg.zip"), include_gitignore=False)
+    names = {n.rstrip("/") for n in zipfile.ZipFile(tmp_path / "pkg.zip").namelist()}
+    for name in dropped:
+        assert name not in names, name
+    assert {"jobs/ddp_autoencoder.py", "trainkit/job.py", "notes/small.csv", ".git/HEAD"} <= names
+    assert not [n for n in names if n.startswith(".git/") and n not in (".git", ".git/HEAD")]
+    head = _git("rev-parse", "HEAD", cwd=clone).strip()
+    unpacked = tmp_path / "unpacked"
+    zipfile.ZipFile(tmp_path / "pkg.zip").extractall(unpacked)
+    assert onnx_export.uploaded_commit(unpacked / ".git") == head
+    assert not [n for n in names
+                if (unpacked / n).is_file() and secret in (unpacked / n).read_text(errors="ignore")]
+
+
+@pytest.mark.parametrize("named,expect", [
+    (["no/such/file"], "UPLOAD names no/such/file, which does not exist"),
+    (["/etc/hostname"], "UPLOAD names /etc/hostname, which is outside the checkout"),
+])
+def test_upload_of_a_missing_or_outside_file_is_one_line_and_stages_nothing(tmp_path, named, expect):
+    from trainkit import upload
+    from trainkit.errors import UserError
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(UserError, match="^" + re.escape(expect)):
+        upload.stage(REPO, stage, named)
+    assert not any(stage.iterdir())
