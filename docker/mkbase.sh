@@ -8,6 +8,8 @@
 #   SUITE    Debian release (default: that image's tag, the release whose Python is the project's)
 #   MIRROR   Debian mirror (default http://deb.debian.org/debian; a local mirror in air-gapped
 #            sites)
+#   KEYRING  the keys the mirror's Release file must be signed with (default Debian's archive
+#            keyring); debootstrap stops on a bad or missing signature
 # Needs root and debootstrap (installed from Debian's packages when missing). 1-3 minutes,
 # about 120 MB. The image is plain Debian (minbase + ca-certificates); docker/Dockerfile adds
 # Python and the rest.
@@ -38,11 +40,22 @@ if ! command -v debootstrap >/dev/null; then
     >/dev/null 2>&1 || die "apt-get install debootstrap failed; install it and run again"
 fi
 
+# Every package is checked against Debian's signing keys (the mirror may be plain HTTP: the
+# signed Release file, and the hashes it lists, are what is trusted, as apt does)
+KEYRING=${KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
+if [ ! -s "$KEYRING" ]; then
+  echo "mkbase: installing Debian's archive keyring (apt-get)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debian-archive-keyring; } \
+    >/dev/null 2>&1 || true
+  [ -s "$KEYRING" ] || die "no keyring $KEYRING to check the packages' signatures: install debian-archive-keyring, or set KEYRING= to the keyring your mirror signs with"
+fi
+
 root=$(mktemp -d /var/tmp/dlcluster-rootfs.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 echo "mkbase: debootstrap $SUITE from $MIRROR (1-3 minutes)"
 start=$SECONDS
-debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$root" "$MIRROR" \
+debootstrap --variant=minbase --include=ca-certificates --keyring="$KEYRING" --force-check-gpg \
+  "$SUITE" "$root" "$MIRROR" \
   >"$root.log" 2>&1 || die "debootstrap failed; log: $root.log"
 rm -f "$root.log"
 # the release's updates and security fixes, like the official debian images

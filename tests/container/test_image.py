@@ -215,6 +215,24 @@ def test_gpu_build_without_its_base_says_how_to_get_it():
     assert "docker load" in last or "load -i" in last
 
 
+def test_a_base_whose_packages_are_not_signed_by_the_keyring_is_refused():
+    """docker/mkbase.sh checks every package against the keyring (debootstrap --force-check-gpg):
+    with a keyring that did not sign the release (Debian's removed keys) it stops at the Release
+    file, in one line, and no image is made."""
+    name = "dlcluster/base-unsigned:bookworm"
+    sh("docker", "image", "rm", "-f", name)
+    proc = sh("docker/mkbase.sh", "--force", name,
+              env={"KEYRING": "/usr/share/keyrings/debian-archive-removed-keys.gpg"}, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("mkbase: error: debootstrap failed; log: "), last
+    log_file = Path(last.split("log: ", 1)[1])
+    log = log_file.read_text()
+    log_file.unlink()
+    assert "E: Release signed by unknown key" in log, log
+    assert sh("docker", "image", "inspect", name).returncode != 0
+
+
 NO_NVCC = "no nvcc (CUDA toolkit) on this machine: the GPU image's stand-in base cannot be made"
 
 

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,30 @@ def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
         assert re.search(push, emulated.up.stdout), emulated.up.stdout[-3000:]
 
 
+def test_the_bastions_services_were_configured_before_their_packages_came(emulated):
+    """The proxy and the registry start the moment their packages are installed: their settings
+    (private address only) and client lists were on the bastion before that (dpkg's log), so no
+    first start ever listened on every interface for every client."""
+    proxy, registry = "apt-cacher-ng", "docker-registry"
+    before = {"/etc/apt-cacher-ng/zz_dlcluster.conf": [proxy],
+              "/etc/systemd/system/apt-cacher-ng.service.d/dlcluster-acl.conf": [proxy],
+              "/etc/docker/registry/config.yml": [registry],
+              "/etc/systemd/system/docker-registry.service.d/dlcluster.conf": [registry],
+              "/usr/local/sbin/dlc-proxy-acl": [proxy, registry]}
+    stat = emulated.ssh("bastion", "sudo", "stat", "-c", "'%Y %n'", *before).stdout
+    written = {name: int(mtime) for mtime, name in (line.split(" ", 1) for line in stat.splitlines())}
+    installed = {}
+    for line in emulated.ssh("bastion", "grep", "-E", f"' install ({proxy}|{registry}):'",
+                             "/var/log/dpkg.log").stdout.splitlines():
+        day, clock, _, package = line.split()[:4]
+        when = datetime.fromisoformat(f"{day}T{clock}+00:00").timestamp()  # the bastion's clock: UTC
+        installed.setdefault(package.split(":")[0], when)
+    print(written, installed)
+    assert set(written) == set(before) and set(installed) == {proxy, registry}, (written, installed)
+    for name, packages in before.items():
+        assert all(written[name] <= installed[p] for p in packages), (name, written[name], installed)
+
+
 def test_nfs_and_rpcbind_never_start_without_the_firewall(emulated):
     """The NFS server and rpcbind listen on every interface: like Ray, they require the firewall,
     so a firewall that fails at boot leaves them down. Their packages installed on node-2 here (the
@@ -147,12 +172,16 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
     # lets only ssh in from outside the private network, IPv4 and IPv6
     for node in NODES:
         rules = emulated.ssh(node, "sudo", "iptables", "-S").stdout
-        assert rules.index("-A INPUT -j DLC-INPUT") < rules.index("-A DLC-INPUT"), rules
+        # first in INPUT: no rule of the site's (or Docker's) is consulted before it
+        first = [r for r in rules.splitlines() if r.startswith("-A INPUT ")][0]
+        assert first == "-A INPUT -j DLC-INPUT", rules
         assert "-A DLC-INPUT -s 172.31.251.0/24 -j RETURN" in rules, rules
         assert "-A DLC-INPUT -p tcp -m tcp --dport 22 -j RETURN" in rules, rules
         assert "-A DLC-INPUT -p tcp -j REJECT --reject-with tcp-reset" in rules, rules
         rules6 = emulated.ssh(node, "sudo", "ip6tables", "-S").stdout
-        assert "-A INPUT -j DLC-INPUT" in rules6 and "--dport 22 -j RETURN" in rules6, rules6
+        first6 = [r for r in rules6.splitlines() if r.startswith("-A INPUT ")][0]
+        assert first6 == "-A INPUT -j DLC-INPUT", rules6
+        assert "--dport 22 -j RETURN" in rules6, rules6
         assert "-s 172.31" not in rules6 and "icmp6-port-unreachable" in rules6, rules6
     # the bastion's package proxy and image registry serve the nodes only: a stranger on the
     # private network is refused by both
@@ -1022,6 +1051,25 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     assert emulated.ssh("node-2", "systemctl show -p MainPID --value dlc-ray").stdout.strip() == pid
     proc, report, lines = doctor(emulated)
     assert proc.returncode == 0 and lines == [], proc.stdout
+
+
+def test_the_token_is_never_printed(emulated):
+    """After everything above (cluster-up, jobs, faults, smoke, rotate-token, doctor): the token is
+    in no file under the config folder but its own, in no Ray log on any node and in no node's
+    journal. The nodes search with the token file as the pattern (-f), so it is never on a command
+    line, which sudo itself would log."""
+    token = emulated.token()
+    own = {p.resolve() for p in emulated.config.rglob("ray_token")}
+    leaked = [str(p) for p in emulated.config.rglob("*") if p.is_file() and p.resolve() not in own
+              and token in p.read_text(errors="ignore")]
+    assert leaked == [], leaked
+    search = ("sudo grep -rlF -f /etc/dlcluster/ray_token /var/lib/dlcluster /srv/dlcluster /tmp /var/log "
+              "--exclude-dir=journal 2>/dev/null; sudo journalctl --no-pager -q | grep -cF -f "
+              "/etc/dlcluster/ray_token")
+    for node in NODES:
+        out = emulated.ssh(node, search, timeout=300).stdout.split()
+        print(node, out)
+        assert out == ["0"], f"{node}: the token is in {out[:-1]} and {out[-1:]} journal line(s)"
 
 
 def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):
