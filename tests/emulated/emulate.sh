@@ -21,8 +21,9 @@
 #
 # Addresses are fixed because ansible/inventories/emulated/hosts.yml names them:
 # public 172.31.250.0/24 (bastion .10), private 172.31.251.0/24 (bastion .10, node-N .1N).
-# node-1 also has a "public" interface, 172.31.252.11 on a third network (internal: no way out),
-# as real servers often do, and an outsider (172.31.252.99, not part of the cluster) sits there.
+# node-1 also has a "public" interface, 172.31.252.11 and fd00:dc:252::11 on a third network
+# (internal: no way out; IPv4 and IPv6), as real servers often do, and an outsider (172.31.252.99,
+# fd00:dc:252::99, not part of the cluster) sits there.
 # The bastion answers ssh on 22 (ops, with sudo: it runs the package proxy) and on 2222 (jump,
 # no sudo: a jump host only). A gateway (public .20, same logins) stands in for an outer hop.
 set -euo pipefail
@@ -36,8 +37,8 @@ KEYDIR=$CONFIG/emulated
 NODES=(node-1 node-2 node-3)
 PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24
 PRIV_NET=dlc-emu-private PRIV_BRIDGE=dlc-emu-priv PRIV_SUBNET=172.31.251.0/24
-OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24
-NODE1_OUT=172.31.252.11 OUTSIDER=172.31.252.99
+OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24 OUT_SUBNET6=fd00:dc:252::/64
+NODE1_OUT=172.31.252.11 OUTSIDER=172.31.252.99 NODE1_OUT6=fd00:dc:252::11 OUTSIDER6=fd00:dc:252::99
 BASTION_PUB=172.31.250.10 BASTION_PRIV=172.31.251.10 GATEWAY_PUB=172.31.250.20
 VOLUME=dlc-emu-shared
 DIND_NODES=" node-3 " DISK_PREFIX=dlc-emu-disk-
@@ -117,7 +118,7 @@ up() {
     -o com.docker.network.bridge.name="$PUB_BRIDGE" "$PUB_NET" >/dev/null
   exists "$PRIV_NET" || "$DOCKER" network create --internal --subnet "$PRIV_SUBNET" \
     -o com.docker.network.bridge.name="$PRIV_BRIDGE" "$PRIV_NET" >/dev/null
-  exists "$OUT_NET" || "$DOCKER" network create --internal --subnet "$OUT_SUBNET" \
+  exists "$OUT_NET" || "$DOCKER" network create --internal --subnet "$OUT_SUBNET" --ipv6 --subnet "$OUT_SUBNET6" \
     -o com.docker.network.bridge.name="$OUT_BRIDGE" "$OUT_NET" >/dev/null
   "$DOCKER" volume inspect "$VOLUME" >/dev/null 2>&1 || "$DOCKER" volume create "$VOLUME" >/dev/null
   block_host
@@ -156,13 +157,15 @@ up() {
         echo "{\"cgroup-parent\": \"dlc-node\"}" >/etc/docker/daemon.json'
     fi
     fresh+=("$(node_ip "$n")")
-    if [ "$n" = node-1 ]; then "$DOCKER" network connect --ip "$NODE1_OUT" "$OUT_NET" dlc-emu-node-1; fi
+    if [ "$n" = node-1 ]; then
+      "$DOCKER" network connect --ip "$NODE1_OUT" --ip6 "$NODE1_OUT6" "$OUT_NET" dlc-emu-node-1
+    fi
   done
   # The outsider may route to the private addresses through node-1's public one, as anyone on
   # that segment could: no systemd, no sshd, only Python to probe ports
   if ! exists dlc-emu-outsider; then
     "$DOCKER" run -d --name dlc-emu-outsider --hostname outsider --cap-add NET_ADMIN \
-      --restart unless-stopped --network "$OUT_NET" --ip "$OUTSIDER" --entrypoint sleep \
+      --restart unless-stopped --network "$OUT_NET" --ip "$OUTSIDER" --ip6 "$OUTSIDER6" --entrypoint sleep \
       "$BASTION_IMAGE" infinity >/dev/null
   fi
   [ "$("$DOCKER" inspect -f '{{.State.Running}}' dlc-emu-outsider)" = true ] || "$DOCKER" start dlc-emu-outsider >/dev/null

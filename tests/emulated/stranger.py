@@ -1,9 +1,10 @@
-"""A stranger on the cluster's private network, without the token, tries each of the head's Ray
-services the firewall lets the private network reach. Runs in a throwaway container of the
+"""Someone on the cluster's private network tries each of the head's Ray services the firewall
+lets that network reach: without the token (a stranger), or with it (RAY_AUTH_TOKEN set: the
+control, showing each refusal is the token's doing). Runs in a throwaway container of the
 project's image (Ray's own client code) on that network; prints one JSON object: service -> what
 happened. Used by tests/emulated/test_emulated.py.
 
-usage: python3 - HEAD_IP GCS_PORT CLIENT_PORT DASHBOARD_PORT AGENT_PORT METRICS_PORT < stranger.py
+usage: python - HEAD_IP GCS_PORT CLIENT_PORT DASHBOARD_PORT AGENT_PORT METRICS_PORT < stranger.py
 """
 
 from __future__ import annotations
@@ -16,35 +17,52 @@ import urllib.error
 import urllib.request
 
 head, gcs, client, dashboard, agent, metrics = sys.argv[1], *map(int, sys.argv[2:7])
+token = os.environ.get("RAY_AUTH_TOKEN")
 seen = {}
 
 
 def http(name: str, url: str) -> None:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=20) as r:
-            seen[name] = {"status": r.status, "body": r.read(200).decode(errors="replace")}
+        with urllib.request.urlopen(req, timeout=20) as r:
+            seen[name] = r.status
     except urllib.error.HTTPError as e:
-        seen[name] = {"status": e.code}
+        seen[name] = e.code
     except OSError as e:
-        seen[name] = {"error": str(e)[:200]}
+        seen[name] = f"error: {e}"[:200]
 
 
-def ray_call(name: str, code: str) -> None:
-    """Ray's own client, in a process of its own (a refusal may hang until its timeout)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+def gcs_nodes() -> None:
+    """The GCS's node table, through Ray's own GCS client (what every raylet and driver uses)."""
+    from ray._raylet import GcsClient
+
     try:
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              timeout=90)
+        seen["GCS"] = f"{len(GcsClient(address=f'{head}:{gcs}').get_all_node_info(timeout=20))} nodes"
+    except Exception as e:  # noqa: BLE001 - Ray's errors: whatever it raises is the answer
+        seen["GCS"] = f"{type(e).__name__}: {e}"[:200]
+
+
+def ray_client() -> None:
+    """A Ray Client session (ray://), in a process of its own: a refused one retries until it
+    gives up."""
+    code = f"import ray; ray.init('ray://{head}:{client}'); print('NODES', len(ray.nodes()))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         out = (proc.stdout + proc.stderr).strip().splitlines()
-        seen[name] = {"rc": proc.returncode, "last": out[-1][:300] if out else ""}
+        nodes = [line for line in out if line.startswith("NODES ")]
+        seen["Ray Client"] = nodes[0].split()[1] + " nodes" if nodes else (out[-1] if out else "")[:200]
     except subprocess.TimeoutExpired:
-        seen[name] = {"rc": None, "last": "timed out"}
+        seen["Ray Client"] = "timed out"
 
 
 http("job API", f"http://{head}:{dashboard}/api/jobs/")
-http("dashboard agent", f"http://{head}:{agent}/api/local_raylet_healthz")
+# the agent's own job API, which the head's dashboard uses to start a job's driver on a node (a
+# job that does not exist: the control, with the token, starts nothing)
+http("agent's job API", f"http://{head}:{agent}/api/job_agent/jobs/no-such-job/logs")
+http("agent's health", f"http://{head}:{agent}/api/healthz")
 http("metrics", f"http://{head}:{metrics}/metrics")
-ray_call("GCS", f"import ray; ray.init(address='{head}:{gcs}', log_to_driver=False); "
-                "print('NODES', len(ray.nodes()))")
-ray_call("Ray Client", f"import ray; ray.init('ray://{head}:{client}'); print('NODES', len(ray.nodes()))")
+gcs_nodes()
+ray_client()
 print(json.dumps(seen))

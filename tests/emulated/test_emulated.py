@@ -196,6 +196,39 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
         assert node.returncode == 0, (port, node.stderr)
 
 
+STRANGER = (Path(__file__).parent / "stranger.py").read_text()
+# the head's GCS, Ray Client server, dashboard (job API), dashboard agent and metrics (roles/ray)
+PORTS_OF_THE_HEAD = ["6379", "10001", "8265", "52365", "8080"]
+
+
+def test_a_stranger_on_the_private_network_without_the_token_gets_nothing_from_ray(emulated):
+    """Someone on the private network (a container of the project's image at .51, Ray's own client
+    code) tries the head's Ray services without the token, and with it (the control: each refusal
+    is the token's doing): the job API, the dashboard agent's job API, the GCS and the Ray Client
+    server refuse; the agent's health check and Ray's metrics (read-only counters) answer anyone
+    on the private network, as docs/security.md says."""
+    def ask(token: str | None) -> dict:
+        env = {**emulated.env, **({"RAY_AUTH_TOKEN": token} if token else {})}
+        auth = ["-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN"] if token else []  # not in argv
+        proc = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
+                               f"172.31.251.{52 if token else 51}", *auth, "--entrypoint", "python",
+                               "dlcluster:cpu", "-", NODES["node-1"], *PORTS_OF_THE_HEAD],
+                              input=STRANGER, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(2) as pool:
+        stranger, member = pool.map(ask, [None, emulated.token()])
+    print("stranger:", stranger)
+    print("with the token:", member)
+    assert stranger["job API"] == 401 and stranger["agent's job API"] == 401, stranger
+    assert stranger["GCS"].startswith("AuthenticationError: RPC error: InvalidAuthToken"), stranger
+    assert not stranger["Ray Client"].endswith(" nodes"), stranger
+    assert stranger["agent's health"] == 200 and stranger["metrics"] == 200, stranger
+    assert member == {"job API": 200, "agent's job API": 404, "agent's health": 200, "metrics": 200,
+                      "GCS": "3 nodes", "Ray Client": "3 nodes"}, member
+
+
 def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     # the README's line, with the env that make cluster-up wrote (and a run name to find it by)
     name = f"readme-{int(time.time())}"
@@ -565,7 +598,8 @@ def test_a_storage_path_only_the_head_has_is_one_line_before_training(emulated):
     assert "RayTrainWorker" not in out  # refused before any worker started
 
 
-NODE1_PUBLIC, PROBE = "172.31.252.11", (Path(__file__).parent / "probe.py").read_text()
+NODE1_PUBLIC, NODE1_PUBLIC6 = "172.31.252.11", "fd00:dc:252::11"  # emulate.sh's outside network
+PROBE = (Path(__file__).parent / "probe.py").read_text()
 
 
 def listening(container: str) -> set[tuple[str, int]]:
@@ -589,7 +623,8 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     """The head's Ray restarts: the workers rejoin by themselves, and the new jobs train on all three
     nodes: make smoke runs every trainer across the cluster. Meanwhile, every few seconds, an outsider
     on node-1's public network (routing to the private addresses through node-1, as anyone on that
-    segment could) tries every port node-1 listens on, on both its addresses: only ssh answers.
+    segment could) tries every port node-1 listens on, on its addresses, public IPv4 and IPv6 and
+    private: only ssh answers.
     The bastion, on the private network, probes the same ports: Ray's answer it (the probe can see
     an open port)."""
     emulated.ssh("node-1", "sudo", "systemctl", "restart", "dlc-ray", timeout=180).check_returncode()
@@ -608,7 +643,7 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         now = listening("dlc-emu-node-1")
         seen |= now
         ports = {port for _, port in now}
-        outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODES["node-1"]], ports | {22})
+        outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODE1_PUBLIC6, NODES["node-1"]], ports | {22})
         inside |= probe("dlc-emu-bastion", [NODES["node-1"]], ports)
         time.sleep(8)  # each trainer runs for half a minute or more: a few looks each, fewer docker
         # execs taking CPU from the trainers (a look is three, on 2 cores)
@@ -641,9 +676,11 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     assert jobs["horovod_mnist"]["check"]["output_shape"] == [1, 10]
     assert training, "no port opened while the trainers ran: the probe saw no training"
     assert everywhere, "nothing but ssh listens on the public address: the probe proves nothing"
-    # only ssh, on the public address (the private one, routed through node-1, where the kernel
-    # takes a packet for one interface's address on another: this machine's gVisor does not)
-    assert f"{NODE1_PUBLIC}:22" in outside and outside <= {f"{NODE1_PUBLIC}:22", f"{NODES['node-1']}:22"}
+    # only ssh, on the public addresses, IPv4 and IPv6 (and the private one, routed through node-1,
+    # where the kernel takes a packet for one interface's address on another: this machine's gVisor
+    # does not)
+    assert {f"{NODE1_PUBLIC}:22", f"{NODE1_PUBLIC6}:22"} <= outside, outside
+    assert outside <= {f"{NODE1_PUBLIC}:22", f"{NODE1_PUBLIC6}:22", f"{NODES['node-1']}:22"}, outside
     assert {f"{NODES['node-1']}:6379", f"{NODES['node-1']}:8265"} <= inside, inside
 
 

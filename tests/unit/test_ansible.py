@@ -533,3 +533,28 @@ def test_a_restart_under_running_jobs_is_one_line_that_tells_what_it_does():
     # the head was never asked (a --limit left the control host's play out): closed, not open
     closed = dlc_jobs.restart_refusal({}, "node-3", "x", False, False)
     assert "did not ask the head which jobs run" in closed and "nothing was restarted" in closed
+
+
+def test_the_nfs_export_names_each_worker_and_no_one_else():
+    """The head's export (roles/shared_storage), rendered: the path to each worker's private
+    address with the options, nothing to a wildcard, a network or everyone. (The emulated nodes
+    share a path instead: a kernel NFS server cannot run in their containers.)"""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/shared_storage/templates"),
+                             undefined=jinja2.StrictUndefined)
+    text = env.get_template("exports.j2").render(
+        ansible_managed="managed", dlc_shared_storage_path="/srv/dlcluster",
+        shared_storage_clients=["10.0.0.12", "10.0.0.13"],
+        shared_storage_nfs_options="rw,sync,no_subtree_check,root_squash")
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(lines) == 1
+    path, *clients = lines[0].split()
+    assert path == "/srv/dlcluster"
+    assert clients == ["10.0.0.12(rw,sync,no_subtree_check,root_squash)",
+                       "10.0.0.13(rw,sync,no_subtree_check,root_squash)"]
+    defaults = (REPO / "ansible/roles/shared_storage/defaults/main.yml").read_text()
+    assert "root_squash" in defaults and "no_root_squash" not in defaults and "insecure" not in defaults
+    # a head-only cluster exports nothing (an exports line without a client exports to everyone)
+    tasks = (REPO / "ansible/roles/shared_storage/tasks/main.yml").read_text()
+    assert "and shared_storage_clients | length > 0" in tasks
