@@ -58,9 +58,14 @@ def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
     # node-3's container runs as Ray's account, uid and gid 1002, which its image does not know
     # (its `dlc` is 1000): the token, root:raysvc 0640, is readable there
     ids = run(["docker", "exec", "dlc-emu-node-3", "docker", "exec", "dlc-ray", "sh", "-c",
-               "id -u; id -g; echo $HOME $USER; head -c 4 /etc/dlcluster/ray_token | wc -c"],
+               "id -u; id -g; echo $HOME $USER; head -c 4 /etc/dlcluster/ray_token | wc -c; ulimit -c"],
               emulated.env, check=True).stdout.split()
-    assert ids == ["1002", "1002", "/var/lib/dlcluster/home", "raysvc", "4"], ids
+    # ... and writes no core dump (a crashed worker's memory holds the token); nor do the others
+    assert ids == ["1002", "1002", "/var/lib/dlcluster/home", "raysvc", "4", "0"], ids
+    for node in ("node-1", "node-2"):
+        pid = emulated.ssh(node, "systemctl show -p MainPID --value dlc-ray").stdout.strip()
+        limits = emulated.ssh(node, f"sudo cat /proc/{pid}/limits").stdout
+        assert re.search(r"^Max core file size\s+0\s+0\s", limits, re.M), limits
 
 
 def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated):
@@ -1101,7 +1106,7 @@ def test_the_token_is_never_printed(emulated):
               and token in p.read_text(errors="ignore")]
     assert leaked == [], leaked
     search = ("sudo grep -rlF -f /etc/dlcluster/ray_token /var/lib/dlcluster /srv/dlcluster /tmp /var/log "
-              "--exclude-dir=journal 2>/dev/null; sudo journalctl --no-pager -q | grep -cF -f "
+              "--exclude-dir=journal 2>/dev/null; sudo journalctl --no-pager -q | sudo grep -cF -f "
               "/etc/dlcluster/ray_token")
     for node in NODES:
         out = emulated.ssh(node, search, timeout=300).stdout.split()
