@@ -162,7 +162,7 @@ up() {
       # Docker names every address of a container after its hostname in /etc/hosts; a server's
       # hostname does not resolve to its public IPv6 address (Horovod's Gloo fails with "address
       # family mismatch" where one does: docs/images.md)
-      "$DOCKER" exec dlc-emu-node-1 sh -c "grep -v '^$NODE1_OUT6[[:space:]]' /etc/hosts >/tmp/hosts && cat /tmp/hosts >/etc/hosts"
+      "$DOCKER" exec dlc-emu-node-1 sh -c "grep -v '^${NODE1_OUT6}[[:space:]]' /etc/hosts >/tmp/hosts && cat /tmp/hosts >/etc/hosts"
     fi
   done
   # The outsider may route to the private addresses through node-1's public one, as anyone on
