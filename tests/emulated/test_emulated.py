@@ -1050,7 +1050,7 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
     assert lines[2].startswith("doctor: node-2: the shared storage is not there: /srv/dlcluster/runs "
                                "(findmnt: / "), lines
     assert lines[3:] == [
-        "doctor: node-3: the Ray token is root:dlc 0644, not root-owned 0640: run make cluster-up "
+        "doctor: node-3: the Ray token is root:raysvc 0644, not root-owned 0640: run make cluster-up "
         "again (it sets owner and mode)",
         "doctor: node-3: GLOO_SOCKET_IFNAME=eth9 in /etc/dlcluster/ray.env, but its private address "
         f"172.31.251.13 is on eth0: {fix} (it writes the interface holding the private address and "
