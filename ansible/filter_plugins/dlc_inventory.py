@@ -19,12 +19,12 @@ PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir",
 PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 # whole numbers >= low ("" means "Ray decides" for the resources)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
-           "dlc_ray_user_uid": 1, "ray_join_timeout": 1}
+           "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "dlc_registry_keep": 1}
 PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
          "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port",
-         "dlc_registry_port", "docker_push_port")
+         "dlc_registry_port", "dlc_registry_push_port", "docker_push_port")
 # `ray start` flags (a list, one item per argument): each item is quoted where it is used (the
 # unit's ExecStart, the container's shell), so JSON such as '{"nvme": 1}' stays one argument; no
 # quote, `$`, `%`, backslash or line break, which systemd or the shell would still read

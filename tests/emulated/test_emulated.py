@@ -9,6 +9,7 @@ faults, then a node quarantined and released), cluster-down. In file order."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import threading
 import time
 import urllib.error
@@ -105,6 +107,101 @@ def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
         assert re.search(push, emulated.up.stdout), emulated.up.stdout[-3000:]
 
 
+def _probe_image(n: int, env: dict) -> None:
+    """dlc-gc-probe:latest, a one-file image of this machine's engine (a different file each n)."""
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w") as tar:
+        data = f"probe {n} {time.time()}\n".encode()
+        info = tarfile.TarInfo("probe")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    subprocess.run(["docker", "import", "-", "dlc-gc-probe:latest"], input=packed.getvalue(),
+                   capture_output=True, check=True, env=env)
+
+
+def test_the_registry_serves_nodes_read_only_and_pushes_need_the_credential(emulated, tmp_path):
+    """The nodes' side of the bastion's registry serves pulls and refuses a node's push and delete
+    (so a job cannot replace or remove the image); the push side answers on the bastion's loopback
+    only, refuses a local user of the bastion and a wrong credential, and takes the cluster's (read
+    from the bastion with sudo for each push; no file on this control host, nor in its docker
+    config). After pushes, all but the newest dlc_registry_keep (3)
+    manifests are forgotten and their layers collected; the image Ray runs is still pulled."""
+    registry, at = f"http://{BASTION_PRIVATE}:5000", f"{BASTION_PRIVATE}:5000"
+    digest = emulated.ssh("node-3", "curl", "-sfI", "-H",
+                          "'Accept: application/vnd.docker.distribution.manifest.v2+json'",
+                          f"{registry}/v2/dlcluster/manifests/cpu").stdout
+    digest = re.search(r"(?im)^docker-content-digest: (sha256:[0-9a-f]{64})", digest).group(1)
+    code = ["curl", "-s", "-o", "/dev/null", "-w", "'%{http_code} '"]
+    refused = emulated.ssh("node-3", *code, "-X", "DELETE", f"{registry}/v2/dlcluster/manifests/{digest}",
+                           ";", *code, "-X", "POST", f"{registry}/v2/dlcluster/blobs/uploads/").stdout.split()
+    assert refused == ["405", "405"], refused  # delete, then the start of an upload
+    push = emulated.ssh("node-3", "sudo", "docker", "tag", "dlcluster:cpu", f"{at}/dlcluster:job",
+                        "&&", "sudo", "docker", "push", f"{at}/dlcluster:job", timeout=120)
+    emulated.ssh("node-3", "sudo", "docker", "rmi", f"{at}/dlcluster:job")
+    print(push.stdout[-500:], push.stderr[-500:])
+    assert push.returncode != 0
+    tags = emulated.ssh("node-3", "curl", "-sf", f"{registry}/v2/dlcluster/tags/list").stdout
+    assert json.loads(tags)["tags"] == ["cpu"], tags
+    pulled = emulated.ssh("node-3", "sudo", "docker", "pull", "-q", f"{at}/dlcluster@{digest}", timeout=300)
+    assert pulled.returncode == 0, pulled.stderr
+    # the push side: loopback only; a local user of the bastion can neither read its hash nor push
+    ask = ("import urllib.request as u, urllib.error as e\ntry: u.urlopen('http://127.0.0.1:5001/v2/')"
+           "\nexcept e.HTTPError as x: print(x.code)")
+    local = emulated.ssh("bastion", "sudo", "runuser", "-u", "nobody", "--", "python3", "-c",
+                         shlex.quote(ask), ";", "sudo", "runuser", "-u", "nobody", "--", "cat",
+                         "/etc/docker/registry/push.htpasswd", ";",
+                         "sudo", "ss", "-Hltn", "sport", "=", ":5001")
+    print(local.stdout, local.stderr)
+    assert local.stdout.splitlines()[0] == "401" and "Permission denied" in local.stderr
+    assert [line.split()[3] for line in local.stdout.splitlines()[1:]] == ["127.0.0.1:5001"]
+    assert not (emulated.cluster_dir / "registry_password").exists()  # no control host keeps it
+    ship = [str(REPO / ".venv-ansible/bin/python"), str(REPO / "ansible/roles/docker/files/dlc_ship.py"),
+            f"--ssh-config={emulated.ssh_config}", f"--progress={tmp_path / 'progress'}", "push",
+            "dlc-gc-probe:latest", "--bastion=bastion", f"--registry={at}",
+            "--push-to=127.0.0.1:5001", "--local-port=35001"]
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password\n")
+    docker_config = Path.home() / ".docker/config.json"
+    before = docker_config.read_text() if docker_config.exists() else ""
+    try:
+        _probe_image(0, emulated.env)
+        bad = run([*ship, f"--credential={wrong}"], emulated.env)
+        assert bad.returncode != 0 and "it refused the login" in bad.stderr and "401" in bad.stderr, \
+            bad.stderr
+        refs = []
+        for n in range(4):  # one more than dlc_registry_keep
+            _probe_image(n + 1, emulated.env)
+            proc = run([*ship, "--credential-on-bastion=/etc/docker/registry/push.password"], emulated.env,
+                       timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            refs.append(json.loads(proc.stdout)["ref"])
+            time.sleep(1.1)  # the manifests' ages are their link files' times
+        assert (docker_config.read_text() if docker_config.exists() else "") == before
+        gc = emulated.ssh("bastion", "sudo", "/usr/local/sbin/dlc-registry-gc", "/var/lib/docker-registry",
+                          "3", "/etc/docker/registry/push.yml", timeout=300)
+        print(gc.stdout, gc.stderr)
+        # (probes an earlier run of this tier left on the registry's kept disk are forgotten too)
+        line = re.search(r"^dlc-gc-probe: forgot \d+ manifest\(s\) older than the newest 3: (.*)$",
+                         gc.stdout, re.M)
+        assert gc.returncode == 0 and line, gc.stdout + gc.stderr
+        forgotten = line.group(1).split(", ")
+        assert refs[0].split("@")[1][:19] in forgotten and not {r.split("@")[1][:19] for r in refs[1:]} & \
+            set(forgotten), (refs, forgotten)
+        assert re.search(r"^[1-9]\d* layer\(s\) and config\(s\) no kept manifest uses were deleted$",
+                         gc.stdout, re.M)
+        kept = [emulated.ssh("node-3", "sudo", "docker", "pull", "-q", ref, timeout=120).returncode
+                for ref in refs]
+        assert kept == [1, 0, 0, 0], kept
+        assert emulated.ssh("node-3", "sudo", "docker", "pull", "-q", f"{at}/dlcluster@{digest}",
+                            timeout=300).returncode == 0
+        side = emulated.ssh("bastion", "systemctl", "is-active", "dlc-registry-push").stdout.strip()
+        assert side == "active"  # the push side is back after the collection
+    finally:
+        run(["docker", "rmi", "dlc-gc-probe:latest"], emulated.env)
+        emulated.ssh("node-3", "sudo", "sh", "-c", shlex.quote(
+            "docker images -q --filter reference='*/dlc-gc-probe' | xargs -r docker rmi -f"))
+
+
 def test_the_bastions_services_were_configured_before_their_packages_came(emulated):
     """The proxy and the registry start the moment their packages are installed: their settings
     (private address only) and client lists were on the bastion before that (dpkg's log), so no
@@ -113,6 +210,7 @@ def test_the_bastions_services_were_configured_before_their_packages_came(emulat
     before = {"/etc/apt-cacher-ng/zz_dlcluster.conf": [proxy],
               "/etc/systemd/system/apt-cacher-ng.service.d/dlcluster-acl.conf": [proxy],
               "/etc/docker/registry/config.yml": [registry],
+              "/etc/docker/registry/push.yml": [registry],
               "/etc/systemd/system/docker-registry.service.d/dlcluster.conf": [registry],
               "/usr/local/sbin/dlc-proxy-acl": [proxy, registry]}
     stat = emulated.ssh("bastion", "sudo", "stat", "-c", "'%Y %n'", *before).stdout
@@ -1108,23 +1206,31 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     assert proc.returncode == 0 and lines == [], proc.stdout
 
 
-def test_the_token_is_never_printed(emulated):
+def test_the_token_and_the_push_password_are_never_printed(emulated):
     """After everything above (cluster-up, jobs, faults, smoke, rotate-token, doctor): the token is
     in no file under the config folder but its own, in no Ray log on any node and in no node's
-    journal. The nodes search with the token file as the pattern (-f), so it is never on a command
-    line, which sudo itself would log."""
+    journal; the registry's push password is in no file under the config folder and in no log on
+    the bastion. The servers search with the secret's file as the pattern (-f), so it is never on a
+    command line, which sudo itself would log."""
     token = emulated.token()
+    push = emulated.ssh("bastion", "sudo", "cat", "/etc/docker/registry/push.password").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", push)
     own = {p.resolve() for p in emulated.config.rglob("ray_token")}
     leaked = [str(p) for p in emulated.config.rglob("*") if p.is_file() and p.resolve() not in own
-              and token in p.read_text(errors="ignore")]
+              and (token in p.read_text(errors="ignore") or push in p.read_text(errors="ignore"))]
     assert leaked == [], leaked
-    search = ("sudo grep -rlF -f /etc/dlcluster/ray_token /var/lib/dlcluster /srv/dlcluster /tmp /var/log "
-              "--exclude-dir=journal 2>/dev/null; sudo journalctl --no-pager -q | sudo grep -cF -f "
-              "/etc/dlcluster/ray_token")
-    for node in NODES:
-        out = emulated.ssh(node, search, timeout=300).stdout.split()
-        print(node, out)
-        assert out == ["0"], f"{node}: the token is in {out[:-1]} and {out[-1:]} journal line(s)"
+
+    def search(secret: str, *folders: str) -> str:
+        return (f"sudo grep -rlF -f {secret} {' '.join(folders)} --exclude-dir=journal 2>/dev/null; "
+                f"sudo journalctl --no-pager -q | sudo grep -cF -f {secret}")
+    places = {node: search("/etc/dlcluster/ray_token", "/var/lib/dlcluster", "/srv/dlcluster", "/tmp",
+                           "/var/log") for node in NODES}
+    places["bastion"] = search("/etc/docker/registry/push.password", "/tmp", "/var/log",
+                               "/var/lib/docker-registry")
+    for host, command in places.items():
+        out = emulated.ssh(host, command, timeout=300).stdout.split()
+        print(host, out)
+        assert out == ["0"], f"{host}: the secret is in {out[:-1]} and {out[-1:]} journal line(s)"
 
 
 def test_cluster_down_stops_ray_and_closes_the_tunnel(emulated):

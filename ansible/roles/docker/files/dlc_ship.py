@@ -4,9 +4,11 @@
                                          or an archive file (`docker save` output, gzip allowed):
                                          piped through ssh into the node's `docker load`, no file
                                          on either end
-  dlc_ship.py push IMAGE                 push IMAGE to the bastion's registry through ssh (-W, one
-                                         per connection, bytes counted); prints {"ref":
-                                         "<registry>/<repository>@sha256:...", "bytes": ...}
+  dlc_ship.py push IMAGE                 push IMAGE to the push side of the bastion's registry (its
+                                         loopback, with the credential) through ssh (-W, one per
+                                         connection, bytes counted); prints {"ref":
+                                         "<registry>/<repository>@sha256:...", "bytes": ...}, where
+                                         <registry> is the nodes' (read-only) side
 
 Common flags: --ssh-config FILE (the generated one), --progress FILE (a line every few seconds:
 how far, how fast, how long left; make cluster-up shows it under the running task).
@@ -18,14 +20,17 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 CHUNK = 1 << 20
+USER = "dlc-push"  # the push side's one user (roles/bastion writes its password's hash)
 EVERY_S = 5.0
 
 
@@ -115,7 +120,7 @@ class Tunnel:
             threading.Thread(target=self.relay, args=(conn,), daemon=True).start()
 
     def relay(self, conn: socket.socket) -> None:
-        hop = subprocess.Popen(ssh(self.a.ssh_config, "-W", self.a.registry, self.a.bastion),
+        hop = subprocess.Popen(ssh(self.a.ssh_config, "-W", self.a.push_to, self.a.bastion),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
         def up() -> None:  # docker -> registry: the layers
@@ -153,13 +158,44 @@ class Tunnel:
         self.server.close()
 
 
+def password(a) -> tuple[str, str]:
+    """(the push side's password, '') from --credential FILE or, through ssh with sudo, from
+    --credential-on-bastion PATH (into memory only); else ('', what went wrong)."""
+    if a.credential:
+        try:
+            return a.credential.read_text().strip(), ""
+        except OSError as e:
+            return "", f"cannot read the registry's push credential {a.credential}: {e.strerror}"
+    proc = subprocess.run(ssh(a.ssh_config, a.bastion, f"sudo -n cat {a.credential_on_bastion}"),
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return "", (f"cannot read the registry's push credential {a.credential_on_bastion} on {a.bastion} "
+                    f"(sudo -n cat: {proc.stderr.strip()[-200:] or 'empty'}): run make cluster-up, "
+                    "which makes it")
+    return proc.stdout.strip(), ""
+
+
+def login(a, local: str, config: str) -> str:
+    """docker login to the push side with the credential, into a docker config folder of this push
+    only (removed afterwards): the password never lands in ~/.docker. '' or what went wrong."""
+    secret, problem = password(a)
+    if problem:
+        return problem
+    proc = subprocess.run(["docker", "--config", config, "login", "--username", USER, "--password-stdin",
+                           local], input=secret + "\n", capture_output=True, text=True)
+    return "" if proc.returncode == 0 else "it refused the login: " + " / ".join(
+        (proc.stdout + proc.stderr).strip().splitlines()[-3:])
+
+
 def push(a) -> int:
     """docker push to 127.0.0.1:<port> (Docker trusts a loopback registry over plain HTTP), relayed
-    through the bastion to its registry. Only layers the registry lacks move; the printed reference
-    is by digest, so the nodes get exactly these bytes. The local tag is removed afterwards."""
+    through the bastion to its registry's push side. Only layers the registry lacks move; the printed
+    reference is by digest, on the nodes' side, so the nodes get exactly these bytes. The local tag
+    is removed afterwards."""
     name = a.image.rsplit("/", 1)[-1]
     repository, _, tag = name.partition(":")
-    local = f"127.0.0.1:{a.local_port}/{repository}:{tag or 'latest'}"
+    host = f"127.0.0.1:{a.local_port}"
+    local = f"{host}/{repository}:{tag or 'latest'}"
     progress = Progress(a.progress, f"{a.registry}", 0)
     try:
         tunnel = Tunnel(a, progress)
@@ -168,18 +204,26 @@ def push(a) -> int:
               f"docker_push_port", file=sys.stderr)
         return 1
     t0, lines, digest = time.monotonic(), [], ""
+    config = tempfile.mkdtemp(prefix="dlc-push-")  # 0700
     try:
+        problem = login(a, host, config) if a.credential or a.credential_on_bastion else ""
+        if problem:
+            print(f"no push to the registry ({a.push_to} on {a.bastion}): {problem}",
+                  file=sys.stderr)
+            return 1
         subprocess.run(["docker", "tag", a.image, local], check=True, capture_output=True)
-        proc = subprocess.run(["docker", "push", local], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+        proc = subprocess.run(["docker", "--config", config, "push", local], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
         lines = proc.stdout.splitlines()
         digests = [m.group(1) for line in lines if (m := re.search(r"digest: (sha256:[0-9a-f]{64})", line))]
         digest = digests[-1] if digests else ""
         if proc.returncode != 0 or not digest:
-            print(f"push to the registry at {a.registry} through {a.bastion} failed: "
+            print(f"push to the registry at {a.push_to} through {a.bastion} failed: "
                   f"{' / '.join(lines[-5:])}", file=sys.stderr)
             return 1
     finally:
+        subprocess.run(["docker", "--config", config, "logout", host], capture_output=True)
+        shutil.rmtree(config, ignore_errors=True)
         subprocess.run(["docker", "rmi", local], capture_output=True)
         tunnel.close()
     pushed = sum(line.endswith(": Pushed") for line in lines)
@@ -202,7 +246,10 @@ def main(argv=None) -> int:
     u = sub.add_parser("push")
     u.add_argument("image")
     u.add_argument("--bastion", required=True)
-    u.add_argument("--registry", required=True, help="host:port the bastion reaches the registry at")
+    u.add_argument("--registry", required=True, help="host:port the nodes pull from (in the printed ref)")
+    u.add_argument("--push-to", required=True, help="host:port the bastion reaches the push side at")
+    u.add_argument("--credential", type=Path, help=f"a file holding the push side's password (user {USER})")
+    u.add_argument("--credential-on-bastion", help="or: its file on the bastion, read with sudo through ssh")
     u.add_argument("--local-port", type=int, default=35000)
     a = p.parse_args(argv)
     return stream(a) if a.cmd == "stream" else push(a)
