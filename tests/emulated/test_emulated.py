@@ -271,6 +271,21 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
     dashboard = [line.split()[3] for line in listen.splitlines() if line.split()[3:4]
                  and line.split()[3].endswith(":8265")]
     assert dashboard == ["172.31.251.11:8265"], listen
+    # the tunnel is an ssh session with the head (through the bastion): a connection held open
+    # through it reaches the job API from the head's own sshd, none from the bastion, so the token
+    # in its requests crosses the private network inside ssh only
+    with socket.create_connection(("127.0.0.1", PORT), timeout=30) as held:
+        held.sendall(b"GET /api/version HTTP/1.1\r\nHost: x\r\n")  # unfinished: the connection stays
+        deadline, peers = time.time() + 30, []
+        while not peers and time.time() < deadline:
+            open_ = emulated.ssh("node-1", "sudo", "ss", "-Htnp", "state", "established", "dport", "=",
+                                 ":8265")
+            peers = [line.split()[2] for line in open_.stdout.splitlines() if "sshd" in line]
+            time.sleep(0.5)
+        from_bastion = emulated.ssh("bastion", "ss", "-Htn", "state", "established", "dport", "=",
+                                    ":8265").stdout
+    assert peers and all(p.startswith("172.31.251.11:") for p in peers), peers
+    assert from_bastion.strip() == "", from_bastion
     # Ray binds the GCS and the raylet to every interface: the DLC-INPUT chain, first in INPUT,
     # lets only ssh in from outside the private network, IPv4 and IPv6
     for node in NODES:
@@ -420,7 +435,7 @@ def close_tunnel(env: dict) -> None:
     folder = Path(env["DLC_CONFIG"]) / "clusters/emulated"
     digest = hashlib.sha1(str(folder).encode()).hexdigest()[:12]  # roles/control: control_tunnel_socket
     socket_path = Path(f"~/.ssh/dlc-tunnel-{digest}").expanduser()
-    run(["ssh", "-F", str(folder / "ssh_config"), "-S", str(socket_path), "-O", "exit", "bastion"], env)
+    run(["ssh", "-F", str(folder / "ssh_config"), "-S", str(socket_path), "-O", "exit", "node-1"], env)
 
 
 def tunnel_api(port: int, path: str, token: str) -> tuple[int, object]:
