@@ -24,6 +24,8 @@ JOB             ?= ddp_autoencoder
 ARGS            ?=
 # files or folders of the checkout that `make submit` uploads beside the ones git tracks
 UPLOAD          ?=
+# the run that `make resume` submits again (a --name that `make submit` submitted from here)
+RUN             ?=
 # extra flags for pytest
 PYTEST_ARGS     ?=
 # the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
@@ -49,12 +51,12 @@ $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files t
 endif
 
 export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
-       INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD
+       INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD RUN
 VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -83,6 +85,9 @@ rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ra
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
 	@ray/submit.sh $(JOB) $(ARGS)
+
+resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, flags, --name), to go on from its last checkpoint after its driver was lost
+	@ray/submit.sh --resume "$$RUN"
 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@ray/submit.sh ddp_autoencoder $(ARGS)

@@ -3,13 +3,26 @@
 # line, plus the checkout's commit as data (DLC_SUBMIT_COMMIT), with the job API address and token
 # from the cluster record ($DLC_CONFIG/cluster.json, trainkit/record.py). What travels is what git
 # tracks, and the files UPLOAD names, staged in a private folder (trainkit/upload.py): nothing else.
+# Each submission is kept ($DLC_CONFIG/clusters/<cluster>/runs/<run>.json, trainkit/submissions.py)
+# with its run name (--name; one is chosen here when the flags have none), so that
+# `make resume RUN=...` submits the same job and flags again after the head lost its driver.
 #   usage: [UPLOAD="data/x.csv ..."] ray/submit.sh JOB [job flags...]
+#          ray/submit.sh --resume RUN
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "submit: error: $*" >&2; exit 2; }
 
-[ $# -ge 1 ] || die "usage: $0 JOB [flags]"
-job=$1; shift
+[ $# -ge 1 ] || die "usage: $0 JOB [flags], or $0 --resume RUN"
+if [ "$1" = --resume ]; then
+  { [ $# -eq 2 ] && [ -n "$2" ]; } || die "usage: $0 --resume RUN (make resume RUN=<the run's name>)"
+  mapfile -d '' -t saved < <(set +e; .venv/bin/python -m trainkit.submissions resume "$2"; printf '\0%s' "$?")
+  [ "${saved[-1]}" = 0 ] || exit 2   # one line said why
+  unset 'saved[-1]'
+  resumed=$2; job=${saved[0]}; set -- "${saved[@]:1}"
+  echo "resume: run $resumed again, from its last checkpoint: jobs/$job.py $*"
+else
+  job=$1; shift
+fi
 if [ ! -f "jobs/$job.py" ]; then
   jobs=(jobs/*.py); jobs=("${jobs[@]#jobs/}")
   die "no jobs/$job.py; JOB is one of: ${jobs[*]%.py}"
@@ -30,9 +43,15 @@ if commit=$(git rev-parse HEAD 2>/dev/null); then
   [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty
   runtime_env=(--runtime-env-json "{\"env_vars\": {\"DLC_SUBMIT_COMMIT\": \"$commit\"}}")
 fi
+# the run's name, chosen here when the flags have none, so the submission can be kept by it
+mapfile -d '' -t named_run < <(set +e; .venv/bin/python -m trainkit.submissions name "$job" "$@"; printf '\0%s' "$?")
+[ "${named_run[-1]}" = 0 ] || exit 2
+unset 'named_run[-1]'
+run=${named_run[0]}; set -- "${named_run[@]:1}"
 stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
 trap 'rm -rf "$stage"' EXIT
 read -ra named <<<"${UPLOAD:-}"
 .venv/bin/python -m trainkit.upload "$stage" "${named[@]}" || exit 2
+submission=$(.venv/bin/python -m trainkit.submissions keep "$run" "${commit:-unknown}" "$job" "$@") || exit 2
 RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 .venv/bin/ray job submit --address "$RAY_ADDRESS" \
-  --working-dir "$stage" "${runtime_env[@]}" -- python "jobs/$job.py" "$@"
+  --submission-id "$submission" --working-dir "$stage" "${runtime_env[@]}" -- python "jobs/$job.py" "$@"

@@ -2,9 +2,10 @@
 operator does with it: the README's job through the tunnel, attach, the running-jobs guard
 failing closed, the engine restarted under Ray, a changed setting and an interrupted run, a second
 operator (their own config folder) while a job runs, whose full run changes nothing, a node that
-goes down and comes back, a node killed mid-run, the head's Ray restarted, make smoke (after those
-failures), a changed host key, bad inventories, rotate-token, make doctor (healthy, then five
-faults, then a node quarantined and released), cluster-down. In file order."""
+goes down and comes back, a node killed mid-run, the head's Ray restarted under a run that make
+resume then resumes, make smoke (after those failures), a changed host key, bad inventories,
+rotate-token, make doctor (healthy, then five faults, then a node quarantined and released),
+cluster-down. In file order."""
 
 from __future__ import annotations
 
@@ -758,9 +759,34 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     private: only ssh answers.
     The bastion, on the private network, probes the same ports: Ray's answer it (the probe can see
     an open port)."""
+    # a run submitted with make submit, its driver on the head: lost with the head's Ray, then
+    # resumed by make resume RUN=... from its last checkpoint (issue: operations, step 5)
+    name = f"resume-{int(time.time())}"
+    make = ["make", "--no-print-directory"]
+    first = subprocess.Popen([*make, "submit", "JOB=ddp_autoencoder",
+                              f"ARGS=--epochs 4 --limit 2000 --name {name}"],
+                             cwd=REPO, env=emulated.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    deadline = time.time() + 300
+    while emulated.ssh("node-1", f"ls -d /srv/dlcluster/runs/{name}/checkpoint_* 2>/dev/null").stdout == "":
+        assert time.time() < deadline and first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(1)
     emulated.ssh("node-1", "sudo", "systemctl", "restart", "dlc-ray", timeout=180).check_returncode()
     # the workers lose the head's GCS, their dlc-ray restarts until they find the new one
     assert sorted(emulated.wait_for_nodes(3, timeout=300)) == sorted(NODES.values())
+    lost = first.communicate(timeout=120)[0]
+    assert first.returncode != 0 and "succeeded" not in lost, lost[-3000:]
+    resumed = run([*make, "resume", f"RUN={name}"], emulated.env, timeout=600)
+    print(resumed.stdout[-3000:])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    after = re.search(r"resuming after epoch (\d+) from /srv/dlcluster/runs/" + re.escape(name),
+                      resumed.stdout)
+    assert after and 1 <= int(after.group(1)) < 4, resumed.stdout[-3000:]
+    assert f"Job '{name}-2' succeeded" in resumed.stdout
+    assert emulated.ssh("node-2", "test", "-s", f"/srv/dlcluster/runs/{name}/published.json").returncode == 0
+    again = run([*make, "resume", f"RUN={name}"], emulated.env, timeout=120)
+    assert again.returncode != 0 and f"resume: error: run {name} finished (job {name}-2 succeeded)" in \
+        again.stderr, again.stderr
     idle = {port for _, port in listening("dlc-emu-node-1")}
     report = tmp_path / "smoke.json"
     smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report}"],
