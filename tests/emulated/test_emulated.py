@@ -779,11 +779,15 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     resumed = run([*make, "resume", f"RUN={name}"], emulated.env, timeout=600)
     print(resumed.stdout[-3000:])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
-    after = re.search(r"resuming after epoch (\d+) from /srv/dlcluster/runs/" + re.escape(name),
-                      resumed.stdout)
-    assert after and 1 <= int(after.group(1)) < 4, resumed.stdout[-3000:]
     assert f"Job '{name}-2' succeeded" in resumed.stdout
-    assert emulated.ssh("node-2", "test", "-s", f"/srv/dlcluster/runs/{name}/published.json").returncode == 0
+    # the resumed job's workers started from the first job's checkpoint, as its rank 0 recorded in
+    # the published manifest (the worker's own "resuming after epoch" line may not reach the
+    # client's log stream: once in CI it did not)
+    published = json.loads(emulated.ssh("node-2", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    manifest = json.loads(emulated.ssh("node-2", "cat", published["manifest"]).stdout)
+    starts = manifest["restarts"]["attempts"]
+    assert 1 <= starts[0]["resumed_after_epoch"] < 4 and manifest["metrics"]["epoch"] == 4, \
+        manifest["restarts"]
     again = run([*make, "resume", f"RUN={name}"], emulated.env, timeout=120)
     assert again.returncode != 0 and f"resume: error: run {name} finished (job {name}-2 succeeded)" in \
         again.stderr, again.stderr
