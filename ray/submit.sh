@@ -43,15 +43,15 @@ if commit=$(git rev-parse HEAD 2>/dev/null); then
   [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty
   runtime_env=(--runtime-env-json "{\"env_vars\": {\"DLC_SUBMIT_COMMIT\": \"$commit\"}}")
 fi
-# the run's name, chosen here when the flags have none, so the submission can be kept by it
-mapfile -d '' -t named_run < <(set +e; .venv/bin/python -m trainkit.submissions name "$job" "$@"; printf '\0%s' "$?")
-[ "${named_run[-1]}" = 0 ] || exit 2
-unset 'named_run[-1]'
-run=${named_run[0]}; set -- "${named_run[@]:1}"
 stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
 trap 'rm -rf "$stage"' EXIT
 read -ra named <<<"${UPLOAD:-}"
 .venv/bin/python -m trainkit.upload "$stage" "${named[@]}" || exit 2
-submission=$(.venv/bin/python -m trainkit.submissions keep "$run" "${commit:-unknown}" "$job" "$@") || exit 2
+# kept under the run's name (--name, added when the flags have none): its submission id and flags
+mapfile -d '' -t kept < <(set +e; .venv/bin/python -m trainkit.submissions keep "${commit:-unknown}" "$job" "$@"
+                          printf '\0%s' "$?")
+[ "${kept[-1]}" = 0 ] || exit 2   # one line said why
+unset 'kept[-1]'
+submission=${kept[0]}; set -- "${kept[@]:1}"
 RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 .venv/bin/ray job submit --address "$RAY_ADDRESS" \
   --submission-id "$submission" --working-dir "$stage" "${runtime_env[@]}" -- python "jobs/$job.py" "$@"

@@ -4,10 +4,12 @@ A run whose driver was lost (the head's Ray restarted: every job's driver runs t
 --max-failures cannot bring a driver back) resumes by being submitted again with the same job,
 flags and --name: the harness restores its last checkpoint and trains the missing epochs.
 
-    python -m trainkit.submissions name JOB [FLAGS...]     the run's name (its --name, else a new one)
-    python -m trainkit.submissions keep RUN COMMIT JOB [FLAGS...]
-                                                            keep what is submitted next; prints its
-                                                            submission id (RUN, then RUN-2, ...)
+    python -m trainkit.submissions keep COMMIT JOB [FLAGS...]
+                                                            keep what is submitted next, under its
+                                                            --name (one is added when the flags have
+                                                            none); prints its submission id (RUN,
+                                                            then RUN-2, ...) and the flags,
+                                                            NUL-separated
     python -m trainkit.submissions resume RUN              the job and its flags, NUL-separated; or
                                                             one line and exit 2 (an unknown run, one
                                                             still running or finished)
@@ -17,8 +19,8 @@ Kept as $DLC_CONFIG/clusters/<cluster>/runs/<RUN>.json (the cluster of the curre
 
 from __future__ import annotations
 
+import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -26,9 +28,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainkit import record
-from trainkit.flags import default_name
+from trainkit.errors import UserError
+from trainkit.flags import default_name, run_name
 
-RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 LIVE = ("PENDING", "RUNNING")
 
 
@@ -43,18 +45,16 @@ class Submission(BaseModel):
     times: list[str] = Field(description="when each was submitted (UTC)")
 
 
-class Refused(Exception):
-    """One line for the operator: nothing was submitted."""
-
-
 def folder() -> Path:
     rec = record.load()
     return record.config_dir() / "clusters" / rec.name / "runs"
 
 
 def path_of(run: str) -> Path:
-    if not RUN.fullmatch(run):
-        raise Refused(f"the run name {run!r} is not one: letters, digits and . _ - (as a job's --name)")
+    try:
+        run_name(run)  # the jobs' own check of --name
+    except argparse.ArgumentTypeError as e:
+        raise UserError(str(e)) from None
     return folder() / f"{run}.json"
 
 
@@ -69,8 +69,9 @@ def name_of(job: str, flags: list[str]) -> tuple[str, list[str]]:
     return run, [*flags, "--name", run]
 
 
-def keep(run: str, commit: str, job: str, flags: list[str]) -> str:
-    """Keep the submission about to be made; its submission id."""
+def keep(commit: str, job: str, flags: list[str]) -> tuple[str, list[str]]:
+    """Keep the submission about to be made, under its run's name: its submission id and flags."""
+    run, flags = name_of(job, flags)
     path = path_of(run)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if path.exists():
@@ -87,7 +88,7 @@ def keep(run: str, commit: str, job: str, flags: list[str]) -> str:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(kept.model_dump_json(indent=2) + "\n")
     tmp.replace(path)
-    return submission
+    return submission, flags
 
 
 def status(submission: str) -> str | None:
@@ -110,35 +111,32 @@ def resume(run: str) -> tuple[str, list[str]]:
     path = path_of(run)
     if not path.exists():
         known = sorted(p.stem for p in folder().glob("*.json")) if folder().is_dir() else []
-        raise Refused(f"no run {run} was submitted to cluster {record.load().name} from here "
+        raise UserError(f"no run {run} was submitted to cluster {record.load().name} from here "
                       f"({path} is missing); runs kept here: {', '.join(known[-5:]) or 'none'}")
     kept = Submission.model_validate_json(path.read_text())
     last = kept.submissions[-1]
     state = status(last)
     if state in LIVE:
-        raise Refused(f"run {run} is still {state.lower()} as job {last}: nothing submitted "
+        raise UserError(f"run {run} is still {state.lower()} as job {last}: nothing submitted "
                       f"(ray job stop {last} first, to resume it from its checkpoint)")
     if state == "SUCCEEDED":
-        raise Refused(f"run {run} finished (job {last} succeeded): nothing to resume")
+        raise UserError(f"run {run} finished (job {last} succeeded): nothing to resume")
     return kept.job, kept.flags
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
-        if args[:1] == ["name"] and len(args) >= 2:
-            run, flags = name_of(args[1], args[2:])
-            path_of(run)
-            sys.stdout.write("\0".join([run, *flags]))
-        elif args[:1] == ["keep"] and len(args) >= 4:
-            print(keep(args[1], args[2], args[3], args[4:]))
+        if args[:1] == ["keep"] and len(args) >= 3:
+            submission, flags = keep(args[1], args[2], args[3:])
+            sys.stdout.write("\0".join([submission, *flags]))
         elif args[:1] == ["resume"] and len(args) == 2:
             job, flags = resume(args[1])
             sys.stdout.write("\0".join([job, *flags]))
         else:
             print(__doc__.split("\n\n")[2], file=sys.stderr)
             return 2
-    except (Refused, record.UserError) as e:
+    except UserError as e:
         print(f"resume: error: {e}" if args[:1] == ["resume"] else f"submit: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -160,13 +160,14 @@ def test_the_registry_serves_nodes_read_only_and_pushes_need_the_credential(emul
             f"--ssh-config={emulated.ssh_config}", f"--progress={tmp_path / 'progress'}", "push",
             "dlc-gc-probe:latest", "--bastion=bastion", f"--registry={at}",
             "--push-to=127.0.0.1:5001", "--local-port=35001"]
-    wrong = tmp_path / "wrong"
-    wrong.write_text("not-the-password\n")
+    wrong = "/tmp/dlc-wrong-push-password"  # on the bastion, where a push reads its credential
+    emulated.ssh("bastion", "echo", "not-the-password", "|", "sudo", "tee", wrong,
+                 ">/dev/null").check_returncode()
     docker_config = Path.home() / ".docker/config.json"
     before = docker_config.read_text() if docker_config.exists() else ""
     try:
         _probe_image(0, emulated.env)
-        bad = run([*ship, f"--credential={wrong}"], emulated.env)
+        bad = run([*ship, f"--credential-on-bastion={wrong}"], emulated.env)
         assert bad.returncode != 0 and "it refused the login" in bad.stderr and "401" in bad.stderr, \
             bad.stderr
         refs = []
@@ -198,6 +199,7 @@ def test_the_registry_serves_nodes_read_only_and_pushes_need_the_credential(emul
         side = emulated.ssh("bastion", "systemctl", "is-active", "dlc-registry-push").stdout.strip()
         assert side == "active"  # the push side is back after the collection
     finally:
+        emulated.ssh("bastion", "sudo", "rm", "-f", wrong)
         run(["docker", "rmi", "dlc-gc-probe:latest"], emulated.env)
         emulated.ssh("node-3", "sudo", "sh", "-c", shlex.quote(
             "docker images -q --filter reference='*/dlc-gc-probe' | xargs -r docker rmi -f"))

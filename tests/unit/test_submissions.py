@@ -31,8 +31,8 @@ def test_the_run_is_named_by_its_flags_or_given_a_name():
 
 
 def test_each_submission_is_kept_under_the_clusters_folder_with_its_own_id(config):
-    assert submissions.keep("r1", "abc", "ddp_autoencoder", ["--name", "r1"]) == "r1"
-    assert submissions.keep("r1", "def-dirty", "ddp_autoencoder", ["--name", "r1"]) == "r1-2"
+    assert submissions.keep("abc", "ddp_autoencoder", ["--name", "r1"]) == ("r1", ["--name", "r1"])
+    assert submissions.keep("def-dirty", "ddp_autoencoder", ["--name", "r1"])[0] == "r1-2"
     kept = json.loads((config / "clusters/lab/runs/r1.json").read_text())
     assert kept["submissions"] == ["r1", "r1-2"] and kept["commits"] == ["abc", "def-dirty"]
     assert kept["job"] == "ddp_autoencoder" and kept["flags"] == ["--name", "r1"] and len(kept["times"]) == 2
@@ -44,7 +44,7 @@ def resume(config: Path, run: str) -> subprocess.CompletedProcess:
 
 
 def test_resuming_an_unknown_or_badly_named_run_is_one_line(config):
-    submissions.keep("r1", "abc", "ddp_autoencoder", ["--name", "r1"])
+    submissions.keep("abc", "ddp_autoencoder", ["--name", "r1"])
     proc = resume(config, "nosuch")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (f"resume: error: no run nosuch was submitted to cluster lab from here "
@@ -52,7 +52,7 @@ def test_resuming_an_unknown_or_badly_named_run_is_one_line(config):
                                    "r1")
     proc = resume(config, "../x")
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("resume: error: the run name '../x' is not one")
+    assert proc.stderr.strip().startswith("resume: error: '../x' is not a plain run name")
     assert not (config / "x.json").exists()
 
 

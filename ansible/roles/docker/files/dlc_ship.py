@@ -159,13 +159,8 @@ class Tunnel:
 
 
 def password(a) -> tuple[str, str]:
-    """(the push side's password, '') from --credential FILE or, through ssh with sudo, from
-    --credential-on-bastion PATH (into memory only); else ('', what went wrong)."""
-    if a.credential:
-        try:
-            return a.credential.read_text().strip(), ""
-        except OSError as e:
-            return "", f"cannot read the registry's push credential {a.credential}: {e.strerror}"
+    """(the push side's password, '') read through ssh with sudo from --credential-on-bastion PATH
+    (into memory only); else ('', what went wrong)."""
     proc = subprocess.run(ssh(a.ssh_config, a.bastion, f"sudo -n cat {a.credential_on_bastion}"),
                           capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -206,7 +201,7 @@ def push(a) -> int:
     t0, lines, digest = time.monotonic(), [], ""
     config = tempfile.mkdtemp(prefix="dlc-push-")  # 0700
     try:
-        problem = login(a, host, config) if a.credential or a.credential_on_bastion else ""
+        problem = login(a, host, config)
         if problem:
             print(f"no push to the registry ({a.push_to} on {a.bastion}): {problem}",
                   file=sys.stderr)
@@ -248,8 +243,9 @@ def main(argv=None) -> int:
     u.add_argument("--bastion", required=True)
     u.add_argument("--registry", required=True, help="host:port the nodes pull from (in the printed ref)")
     u.add_argument("--push-to", required=True, help="host:port the bastion reaches the push side at")
-    u.add_argument("--credential", type=Path, help=f"a file holding the push side's password (user {USER})")
-    u.add_argument("--credential-on-bastion", help="or: its file on the bastion, read with sudo through ssh")
+    u.add_argument("--credential-on-bastion", required=True,
+                   help=f"the file on the bastion holding the push side's password (user {USER}), read with "
+                        "sudo through ssh")
     u.add_argument("--local-port", type=int, default=35000)
     a = p.parse_args(argv)
     return stream(a) if a.cmd == "stream" else push(a)
