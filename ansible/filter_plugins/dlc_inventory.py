@@ -15,11 +15,12 @@ IMAGE_SOURCES = ("bastion", "registry", "archive", "control")
 # variables that must be absolute paths on the nodes; they go into unit files (ExecStart, Where=),
 # the exports, `docker run -v` and shell commands, so each is one word of plain characters
 PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir", "ray_home",
-         "docker_image_dir", "dlc_registry_dir")
+         "docker_image_dir", "dlc_registry_dir", "ray_tls_dir", "ray_tls_ca_dir")
 PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 # whole numbers >= low ("" means "Ray decides" for the resources)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
-           "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "dlc_registry_keep": 1}
+           "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "dlc_registry_keep": 1, "ray_tls_days": 2,
+           "ray_tls_renew_days": 1, "ray_tls_ca_days": 2}
 PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
@@ -132,6 +133,12 @@ def host_problems(host: str, hv) -> list:
             out.append(f"{host}: firewall_public_tcp_ports is {ports!r}: give a list of ports from 1 "
                        f"to 65535, such as [22]")
     out.extend(extra_args_problems(host, hv))
+    if "ray_tls" in hv and not isinstance(hv["ray_tls"], bool):
+        out.append(f"{host}: ray_tls is {hv['ray_tls']!r}: give true or false (unquoted)")
+    days, renew = _whole(hv.get("ray_tls_days", 825)), _whole(hv.get("ray_tls_renew_days", 30))
+    if days is not None and renew is not None and renew >= days:
+        out.append(f"{host}: ray_tls_renew_days {renew} is not below ray_tls_days {days}: every run would "
+                   f"make new certificates and restart Ray; renew well before the end, e.g. 30 of 825")
     lo, hi = _whole(hv.get("ray_min_worker_port", 10002)), _whole(hv.get("ray_max_worker_port", 19999))
     if lo is not None and hi is not None and lo >= hi:
         out.append(f"{host}: ray_min_worker_port {lo} is not below ray_max_worker_port {hi}: give "

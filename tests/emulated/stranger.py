@@ -1,10 +1,11 @@
 """Someone on the cluster's private network tries each of the head's Ray services the firewall
-lets that network reach: without the token (a stranger), or with it (RAY_AUTH_TOKEN set: the
-control, showing each refusal is the token's doing). Runs in a throwaway container of the
-project's image (Ray's own client code) on that network; prints one JSON object: service -> what
-happened. Used by tests/emulated/test_emulated.py.
+lets that network reach: without the token and a certificate of the cluster's CA (a stranger), or
+with one or both (RAY_AUTH_TOKEN set; RAY_USE_TLS with RAY_TLS_* naming a node's key and
+certificates: the controls, showing each refusal is the token's or TLS's doing). Runs in a
+throwaway container of the project's image (Ray's own client code) on that network; prints one
+JSON object: service -> what happened. Used by tests/emulated/test_emulated.py.
 
-usage: python - HEAD_IP GCS_PORT CLIENT_PORT DASHBOARD_PORT AGENT_PORT METRICS_PORT < stranger.py
+usage: python - HEAD_IP GCS_PORT CLIENT_PORT DASHBOARD_PORT AGENT_PORT METRICS_PORT [gcs-only] < stranger.py
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 
 head, gcs, client, dashboard, agent, metrics = sys.argv[1], *map(int, sys.argv[2:7])
+gcs_only = sys.argv[7:] == ["gcs-only"]
 token = os.environ.get("RAY_AUTH_TOKEN")
 seen = {}
 
@@ -57,12 +59,14 @@ def ray_client() -> None:
         seen["Ray Client"] = "timed out"
 
 
-http("job API", f"http://{head}:{dashboard}/api/jobs/")
-# the agent's own job API, which the head's dashboard uses to start a job's driver on a node (a
-# job that does not exist: the control, with the token, starts nothing)
-http("agent's job API", f"http://{head}:{agent}/api/job_agent/jobs/no-such-job/logs")
-http("agent's health", f"http://{head}:{agent}/api/healthz")
-http("metrics", f"http://{head}:{metrics}/metrics")
+if not gcs_only:
+    http("job API", f"http://{head}:{dashboard}/api/jobs/")
+    # the agent's own job API, which the head's dashboard uses to start a job's driver on a node (a
+    # job that does not exist: the control, with the token, starts nothing)
+    http("agent's job API", f"http://{head}:{agent}/api/job_agent/jobs/no-such-job/logs")
+    http("agent's health", f"http://{head}:{agent}/api/healthz")
+    http("metrics", f"http://{head}:{metrics}/metrics")
 gcs_nodes()
-ray_client()
+if not gcs_only:
+    ray_client()
 print(json.dumps(seen))

@@ -222,7 +222,7 @@ def test_ray_unit_requires_the_shared_storage_mount():
                 dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
                 dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
                 dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray",
-                ray_home="/var/lib/ray", dlc_image="dlcluster:gpu",
+                ray_home="/var/lib/ray", dlc_image="dlcluster:gpu", ray_tls=True, ray_tls_dir="/etc/dlc/tls",
                 ray_start_args=["--address=10.0.0.1:6379", "--resources", '{"nvme": 1, "ssd": 2}'])
     unit = env.get_template("dlc-ray.service.j2").render(**node)
     lines = unit.splitlines()
@@ -249,6 +249,8 @@ def test_ray_unit_requires_the_shared_storage_mount():
     # inventory check refuses them in ray_start_extra_args)
     assert shlex.split(exec_start)[-2:] == ["--resources", '{"nvme": 1, "ssd": 2}'], exec_start
     assert "--network host" in start and "-v /etc/dlcluster/ray_token:/etc/dlcluster/ray_token:ro" in start
+    # the node's TLS key and certificates (ray.env names them) reach Ray in its container
+    assert "-v /etc/dlc/tls:/etc/dlc/tls:ro" in start
     # the container still running after an engine restart is followed, not replaced
     assert "exec docker attach --no-stdin --sig-proxy=false dlc-ray" in script
     assert '[ -n "${MAINPID:-}" ] || exit 0' in script
@@ -257,6 +259,8 @@ def test_ray_unit_requires_the_shared_storage_mount():
                                                                  "dlc_image": "dlcluster:cpu"})
     start = next(line.strip() for line in cpu_node.splitlines() if line.strip().startswith("exec docker run"))
     assert "--gpus" not in start and "dlcluster:cpu ray start --block" in start
+    no_tls = env.get_template("dlc-ray-container.j2").render(**{**node, "ray_tls": False})
+    assert "/etc/dlc/tls" not in no_tls
 
 
 def slurped(text: str | None, msg: str = "") -> dict:
