@@ -50,7 +50,7 @@ class Clock(BaseModel):
 
 def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list[dict] | None,
             clocks: dict[str, Clock], min_free_gb: float = 2.0,
-            max_clock_offset: float = 1.0) -> list[Finding]:
+            max_clock_offset: float = 1.0, min_cert_days: float = 30) -> list[Finding]:
     head = next(n for n in rec.nodes if n.role == "head")
     ref = answers.get(head.name) or {}
     found: list[Finding] = []
@@ -96,6 +96,7 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
         elif tok["owner"] != "root" or tok["mode"] != "0640":
             say(node.name, f"the Ray token is {tok['owner']}:{tok['group']} {tok['mode']}, not "
                 "root-owned 0640", "run make cluster-up again (it sets owner and mode)")
+        found += _tls(node, a.get("tls"), min_cert_days)
         found += _network(node, a, ref)
         found += _versions(node, a, ref, head.name, docker_ref)
         found += _storage(node, a, (a.get("storage") or {}).get("path"), min_free_gb)
@@ -108,6 +109,24 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
         if node.gpus:
             found += _gpu(node, a)
     return found
+
+
+def _tls(node, tls: dict | None, min_cert_days: float) -> list[Finding]:
+    """Ray's TLS certificate (None: the node runs Ray without TLS, ray_tls: false)."""
+    if tls is None:
+        return []
+    fix = ("run make cluster-up again (it makes the node a certificate of the head's CA and restarts "
+           "Ray there when no job runs)")
+    if not tls["verified"]:
+        return [Finding(node=node.name, fix=fix,
+                        what=f"Ray's TLS certificate is not the cluster CA's ({tls['problem']})")]
+    if not tls["for_address"]:
+        return [Finding(node=node.name, fix=fix,
+                        what=f"Ray's TLS certificate is not for its private address {node.ip}")]
+    if tls["days_left"] is not None and tls["days_left"] < min_cert_days:
+        return [Finding(node=node.name, what=f"Ray's TLS certificate ends in {tls['days_left']:.0f} days",
+                        fix=fix)]
+    return []
 
 
 def _network(node, a, ref) -> list[Finding]:
@@ -286,8 +305,8 @@ def ray_nodes(rec: record.ClusterRecord) -> list[dict] | None:
         return None
 
 
-def doctor(rec: record.ClusterRecord, min_free_gb: float,
-           max_clock_offset: float) -> tuple[list[Finding], dict]:
+def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: float,
+           min_cert_days: float = 30) -> tuple[list[Finding], dict]:
     started = time.time()
     head = next(n for n in rec.nodes if n.role == "head")
     marker = f".dlc-doctor-{secrets.token_hex(6)}"
@@ -313,7 +332,7 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float,
         ask(rec, head, {**base, "do": "mark", "text": ""}, timeout=60)
     seen = ray_nodes(rec)
     found = examine(rec, answers, seen, {k: v for k, v in clocks.items() if v}, min_free_gb,
-                    max_clock_offset)
+                    max_clock_offset, min_cert_days)
     if seen is None:
         found.append(Finding(node=head.name, what=f"the job API at {rec.job_api} does not answer",
                              fix="make attach INVENTORY=... (it opens the tunnel), or make cluster-up"))
@@ -407,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="least free space on the shared storage, /tmp and Docker's data root [2]")
     ap.add_argument("--max-clock-offset", type=float, default=1.0,
                     help="seconds two nodes' clocks may be apart [1.0]")
+    ap.add_argument("--min-cert-days", type=float, default=30,
+                    help="least days left on a node's TLS certificate for Ray (ray_tls_renew_days) [30]")
     ap.add_argument("--quarantine", action="store_true",
                     help="take each worker with a finding out of Ray (make doctor QUARANTINE=1)")
     ap.add_argument("--release", metavar="NODE",
@@ -424,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"doctor: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     print(f"doctor: asking the {len(rec.nodes)} nodes of {rec.name} through {rec.bastion}", flush=True)
-    found, report = doctor(rec, args.min_free_gb, args.max_clock_offset)
+    found, report = doctor(rec, args.min_free_gb, args.max_clock_offset, args.min_cert_days)
     path = record.config_dir() / "clusters" / rec.name / REPORT
     path.write_text(json.dumps(report, indent=2) + "\n")
     for f in found:

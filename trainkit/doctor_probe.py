@@ -20,8 +20,10 @@ import os
 import pwd
 import re
 import shutil
+import ssl
 import subprocess
 import sys
+import time
 
 RAY_ENV = "/etc/dlcluster/ray.env"
 TOKEN = "/etc/dlcluster/ray_token"
@@ -299,6 +301,24 @@ def stop_or_release(ask):
     return {"rc": rc, "out": out[-300:]}
 
 
+def tls(settings, ip):
+    """Ray's TLS certificate on this node (RAY_USE_TLS in Ray's environment; roles/ray tls.yml):
+    whether it is the cluster CA's, for this node's address, and the days until it ends."""
+    if settings.get("RAY_USE_TLS") != "1":
+        return None
+    cert, ca = settings.get("RAY_TLS_SERVER_CERT", ""), settings.get("RAY_TLS_CA_CERT", "")
+    rc, text = run("openssl", "verify", "-CAfile", ca, cert)
+    # openssl's reason is its "error N at D depth lookup: ..." line; its last line only names the file
+    why = [ln for ln in text.splitlines() if "depth lookup" in ln] or text.splitlines()[-1:] or [f"rc {rc}"]
+    out = {"verified": rc == 0, "problem": "" if rc == 0 else why[0][-200:]}
+    rc, end = run("openssl", "x509", "-in", cert, "-noout", "-enddate")
+    out["days_left"] = ((ssl.cert_time_to_seconds(end.split("=", 1)[1]) - time.time()) / 86400
+                        if rc == 0 and end.startswith("notAfter=") else None)
+    rc, san = run("openssl", "x509", "-in", cert, "-noout", "-ext", "subjectAltName")
+    out["for_address"] = rc == 0 and re.search(rf"IP Address:{re.escape(ip)}(,|$)", san, re.M) is not None
+    return out
+
+
 def main():
     ask = json.loads(sys.argv[1])
     act = {"mark": mark, "drain": drain, "quarantine": quarantine, "stop": stop_or_release,
@@ -337,6 +357,7 @@ def check(ask):
         "firewall": {"load": fw.get("LoadState"), "active": fw.get("ActiveState"),
                      "chain": "-j DLC-INPUT" in rules},
         "token": token,
+        "tls": tls(settings, ask["ip"]),
         "interface": interfaces(ask["ip"]),
         "collective": {"file": {k: settings.get(k) for k in COLLECTIVE},
                        "running": {k: proc[3].get(k) for k in COLLECTIVE} if proc else None},

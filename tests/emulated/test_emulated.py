@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tarfile
 import threading
@@ -318,6 +319,7 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
 
 
 STRANGER = (Path(__file__).parent / "stranger.py").read_text()
+TLS = "/etc/dlcluster/tls"  # a node's key and certificates for Ray's TLS (roles/ray: ray_tls_dir)
 # the head's GCS, Ray Client server, dashboard (job API), dashboard agent and metrics (roles/ray)
 PORTS_OF_THE_HEAD = ["6379", "10001", "8265", "52365", "8080"]
 
@@ -378,15 +380,17 @@ def test_a_stranger_on_the_private_network_without_the_token_gets_nothing_from_r
     assert stranger["agent's health"] == 200 and stranger["metrics"] == 200, stranger
     assert answered(member) == expected, member
     # TLS: without a certificate of the cluster's CA the GCS does not talk, whatever the token
-    assert not token_only["GCS"].endswith(" nodes") and "InvalidAuthToken" not in token_only["GCS"], token_only
+    assert not token_only["GCS"].endswith(" nodes"), token_only
+    assert "InvalidAuthToken" not in token_only["GCS"], token_only
     # the token: with a certificate but without the token the GCS refuses
     assert cert_only["GCS"].startswith("AuthenticationError: RPC error: InvalidAuthToken"), cert_only
     # every node's raylet serves TLS with its own certificate of the cluster's CA (checked from
     # the head, with the head's certificate: Ray's TLS is mutual); keys where docs/security.md says
-    tls = "/etc/dlcluster/tls"
+    tls = TLS
     for node, ip in NODES.items():
-        shake = emulated.ssh("node-1", f"sudo openssl s_client -brief -connect {ip}:8077 -CAfile {tls}/ca.crt "
-                             f"-cert {tls}/node.crt -key {tls}/node.key -verify_return_error </dev/null 2>&1")
+        shake = emulated.ssh("node-1", f"sudo openssl s_client -brief -connect {ip}:8077 "
+                             f"-CAfile {tls}/ca.crt -cert {tls}/node.crt -key {tls}/node.key "
+                             "-verify_return_error </dev/null 2>&1")
         assert "Verification: OK" in shake.stdout and f"CN = {node}" in shake.stdout, (node, shake.stdout)
         files = emulated.ssh(node, f"sudo stat -c '%n %a %U %G' {tls}/node.key {tls}/node.crt; "
                                    "sudo stat -c '%n %a %U' /etc/dlcluster/ca/ca.key 2>&1; "
@@ -559,10 +563,13 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     the job) alone; its written files are not forgotten: the next run, stopped mid-way by a signal,
     then run again, converges (the next test: a further full run changes nothing on any server).
     The job that holds the cluster sleeps: what is proved is that a running job is waited for, not
-    training."""
+    training. The changed inventory also renews Ray's TLS certificates (every one is within its
+    900 renewal days): each node gets a new one of the same CA, which Ray takes up when it restarts."""
     before = ray_pids(emulated)
-    changed = _inventory(tmp_path, "emulated", EMULATED.replace("ray_object_store_memory: 536870912",
-                                                                "ray_object_store_memory: 600000000"))
+    serials = tls_serials(emulated)
+    changed = _inventory(tmp_path, "emulated", EMULATED.replace(
+        "ray_object_store_memory: 536870912",
+        "ray_object_store_memory: 600000000\n    ray_tls_days: 1000\n    ray_tls_renew_days: 900"))
     with held_job(emulated) as job:
         refused = emulated.cluster("up", changed)
         last = refused.stderr.strip().splitlines()[-1]
@@ -612,6 +619,22 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         args = emulated.ssh(node, "pgrep", "-af", "raylet/raylet").stdout
         assert "--object_store_memory=536870912" in args, (node, args[:300])
     assert ray_pids(emulated) != before
+    # renewed by the refused run: new certificates of 1000 days, which the default inventory's
+    # runs after it kept (valid, far from their end); Ray restarted with them (the GCS answers)
+    renewed = tls_serials(emulated)
+    assert all(renewed[n][0] != serials[n][0] for n in NODES), (serials, renewed)
+    assert all(renewed[n][1] > serials[n][1] + 100 * 86400 for n in NODES), (serials, renewed)
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+
+def tls_serials(emulated) -> dict[str, tuple[str, float]]:
+    """Each node's Ray TLS certificate: its serial and its end (seconds since the epoch)."""
+    out = {}
+    for node in NODES:
+        text = emulated.ssh(node, f"sudo openssl x509 -in {TLS}/node.crt -noout -serial -enddate").stdout
+        fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+        out[node] = (fields["serial"], ssl.cert_time_to_seconds(fields["notAfter"]))
+    return out
 
 
 def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_holder(emulated, tmp_path):
@@ -1210,9 +1233,9 @@ ANOTHER_RAY = "2.58.0"  # not the lock's
 
 def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
     """Injected for real: on node-2 Ray's service stopped, another Ray installed in its environment,
-    the shared storage unmounted; on node-3 the collective interface set to one it lacks and the
-    token made world-readable. One run names each on its node, nothing on node-1; put back, the
-    next run finds nothing."""
+    the shared storage unmounted; on node-3 the collective interface set to one it lacks, the
+    token made world-readable and Ray's TLS certificate replaced by a self-signed one. One run
+    names each on its node, nothing on node-1; put back, the next run finds nothing."""
     docker = shutil.which("docker")
     run([str(BIN / "pip"), "download", "-q", "--no-deps", "--only-binary", ":all:",
          f"ray=={ANOTHER_RAY}", "-d", str(tmp_path)], emulated.env, timeout=600, check=True)
@@ -1230,7 +1253,12 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
                 f"/opt/venv/bin/pip install -q --no-deps --no-index /tmp/{wheel.name} && "
                 f"mount --bind /srv/dlcluster {keep}/mnt && umount -l /srv/dlcluster").check_returncode()
         as_root("node-3", f"sed -i '{iface.format('eth9')}' /etc/dlcluster/ray.env && "
-                "chmod 0644 /etc/dlcluster/ray_token").check_returncode()
+                "chmod 0644 /etc/dlcluster/ray_token && "
+                # a certificate of no CA of the cluster's (kept with its time: put back, it is not
+                # newer than Ray's start, which would ask cluster-up for a restart)
+                f"cp -p {TLS}/node.crt {keep}-node.crt && openssl req -x509 -newkey ec -pkeyopt "
+                f"ec_paramgen_curve:P-256 -nodes -days 30 -subj /CN=node-3 -keyout /dev/null "
+                f"-out {TLS}/node.crt 2>/dev/null").check_returncode()
         proc, report, lines = doctor(emulated)
     finally:
         as_root("node-2", f"/opt/venv/bin/pip uninstall -q -y ray; mv {keep}/ray/* {site}/; "
@@ -1238,7 +1266,7 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
                 f"mountpoint -q /srv/dlcluster || mount --bind {keep}/mnt /srv/dlcluster; "
                 f"umount {keep}/mnt; rm -rf {keep} /tmp/{wheel.name}; systemctl start dlc-ray")
         as_root("node-3", f"sed -i '{iface.format('eth0')}' /etc/dlcluster/ray.env && "
-                "chmod 0640 /etc/dlcluster/ray_token")
+                f"chmod 0640 /etc/dlcluster/ray_token && mv {keep}-node.crt {TLS}/node.crt")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     fix = "run make cluster-up again"
     assert lines[:2] == [
@@ -1251,6 +1279,9 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
     assert lines[3:] == [
         "doctor: node-3: the Ray token is root:raysvc 0644, not root-owned 0640: run make cluster-up "
         "again (it sets owner and mode)",
+        "doctor: node-3: Ray's TLS certificate is not the cluster CA's (error 18 at 0 depth lookup: "
+        "self-signed certificate): run make cluster-up again (it makes the node a certificate of the "
+        "head's CA and restarts Ray there when no job runs)",
         "doctor: node-3: GLOO_SOCKET_IFNAME=eth9 in /etc/dlcluster/ray.env, but its private address "
         f"172.31.251.13 is on eth0: {fix} (it writes the interface holding the private address and "
         "restarts Ray when no job runs)"], lines

@@ -176,3 +176,47 @@ def test_a_quarantined_node_is_one_line_and_the_head_is_never_quarantined():
     assert doctor.quarantine(rec, found, report) == [  # asks no node: nothing to write
         "node-1: not quarantined: the head runs Ray's GCS and every job's driver; fix what is "
         "named above and run make doctor again"]
+
+
+def test_a_tls_certificate_not_the_cas_not_for_the_node_or_ending():
+    rec, answers, ray_nodes, clocks = setup()
+    fix = ("run make cluster-up again (it makes the node a certificate of the head's CA and restarts "
+           "Ray there when no job runs)")
+    answers["node-1"]["tls"]["days_left"] = 12.4
+    answers["node-2"]["tls"].update(verified=False,
+                                    problem="error 18 at 0 depth lookup: self-signed certificate")
+    answers["node-3"]["tls"]["for_address"] = False
+    assert lines(rec, answers, ray_nodes, clocks) == [
+        f"node-1: Ray's TLS certificate ends in 12 days: {fix}",
+        f"node-2: Ray's TLS certificate is not the cluster CA's (error 18 at 0 depth lookup: "
+        f"self-signed certificate): {fix}",
+        f"node-3: Ray's TLS certificate is not for its private address 172.31.251.13: {fix}"]
+    assert lines(rec, answers, ray_nodes, clocks, min_cert_days=10) == lines(rec, answers, ray_nodes,
+                                                                               clocks)[1:]
+    answers["node-1"]["tls"] = None  # ray_tls: false
+    assert lines(rec, answers, ray_nodes, clocks)[0].startswith("node-2: ")
+
+
+def test_the_probe_reads_a_real_certificate(tmp_path):
+    """The node's side: openssl's own answers about a CA and certificates made here as roles/ray's
+    tls.yml makes them."""
+    def ssl(*args: str, stdin: str | None = None) -> str:
+        return subprocess.run(["openssl", *args], cwd=tmp_path, input=stdin, capture_output=True, text=True,
+                              check=True).stdout
+    ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "10",
+        "-subj", "/CN=ca", "-keyout", "ca.key", "-out", "ca.crt")
+    ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "node.key")
+    csr = ssl("req", "-new", "-key", "node.key", "-subj", "/CN=node-2")
+    (tmp_path / "ext").write_text("subjectAltName=IP:10.0.0.12,IP:127.0.0.1\n")
+    (tmp_path / "node.crt").write_text(ssl("x509", "-req", "-CA", "ca.crt", "-CAkey", "ca.key", "-days", "5",
+                                           "-extfile", "ext", stdin=csr))
+    settings = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": str(tmp_path / "node.crt"),
+                "RAY_TLS_CA_CERT": str(tmp_path / "ca.crt")}
+    found = doctor_probe.tls(settings, "10.0.0.12")
+    assert found["verified"] and found["for_address"] and 4.9 < found["days_left"] <= 5, found
+    assert doctor_probe.tls(settings, "10.0.0.1")["for_address"] is False  # a prefix of .12
+    ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "10",
+        "-subj", "/CN=other", "-keyout", "other.key", "-out", "other.crt")
+    other = doctor_probe.tls({**settings, "RAY_TLS_SERVER_CERT": str(tmp_path / "other.crt")}, "10.0.0.12")
+    assert not other["verified"] and "self-signed" in other["problem"], other
+    assert doctor_probe.tls({}, "10.0.0.12") is None
