@@ -133,6 +133,10 @@ def host_problems(host: str, hv) -> list:
             out.append(f"{host}: firewall_public_tcp_ports is {ports!r}: give a list of ports from 1 "
                        f"to 65535, such as [22]")
     out.extend(extra_args_problems(host, hv))
+    held = hv.get("nvidia_unattended_upgrades_blacklist", [])
+    if not isinstance(held, list) or any(not isinstance(p, str) or re.search(r'["\\;{}\n]', p) for p in held):
+        out.append(f"{host}: nvidia_unattended_upgrades_blacklist is {held!r}: give a list of package "
+                   f"name patterns without quotes, backslashes, ; or braces (they go into an apt setting)")
     if "ray_tls" in hv and not isinstance(hv["ray_tls"], bool):
         out.append(f"{host}: ray_tls is {hv['ray_tls']!r}: give true or false (unquoted)")
     days, renew = _whole(hv.get("ray_tls_days", 825)), _whole(hv.get("ray_tls_renew_days", 30))
