@@ -112,13 +112,13 @@ def resume(run: str) -> tuple[str, list[str]]:
     if not path.exists():
         known = sorted(p.stem for p in folder().glob("*.json")) if folder().is_dir() else []
         raise UserError(f"no run {run} was submitted to cluster {record.load().name} from here "
-                      f"({path} is missing); runs kept here: {', '.join(known[-5:]) or 'none'}")
+                        f"({path} is missing); runs kept here: {', '.join(known[-5:]) or 'none'}")
     kept = Submission.model_validate_json(path.read_text())
     last = kept.submissions[-1]
     state = status(last)
     if state in LIVE:
         raise UserError(f"run {run} is still {state.lower()} as job {last}: nothing submitted "
-                      f"(ray job stop {last} first, to resume it from its checkpoint)")
+                        f"(ray job stop {last} first, to resume it from its checkpoint)")
     if state == "SUCCEEDED":
         raise UserError(f"run {run} finished (job {last} succeeded): nothing to resume")
     return kept.job, kept.flags
