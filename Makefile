@@ -57,7 +57,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit resume demo test check test-unit \
-        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -113,8 +113,11 @@ stage-gpu: setup ## stage what a bare offline GPU machine lacks for the GPU tier
 lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh
 
-smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, the three trainers, ProxyJump
+smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the three trainers, ProxyJump
 	@$(PY) ray/smoke.py $(SMOKE_ARGS)
+
+baseline: setup ## record the cluster's performance baseline (no job running): per node step time and storage, per link iperf3, all-reduce busbw
+	@$(PY) ray/smoke.py --record-baseline $(SMOKE_ARGS)
 
 doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem (QUARANTINE=1: take bad workers out of Ray)
 	@$(PY) -m trainkit.doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)

@@ -11,6 +11,11 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
              no CPU is left out), gloo on CPU, NCCL when every such node has a GPU: all-reduce of
              1-256 MiB float32, every element checked, time per op, algbw and busbw as
              nccl-tests defines them
+  perf       (servers from an inventory, with a baseline) each node's step time on a fixed batch
+             and its shared storage's throughput, each pair's link (iperf3 through the bastion),
+             the allreduce step's bus bandwidth, against the cluster's baseline
+             (trainkit/baseline.py): one line per figure past its threshold, a table, a plot;
+             --record-baseline records one instead (make baseline: allreduce and perf only)
   trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py and jobs/tf_cnn.py, one tiny epoch with
              one worker per node; each must succeed and leave an ONNX model that a check job on the
              cluster loads in onnxruntime, runs on zeros and checks against its manifest
@@ -49,6 +54,7 @@ sys.path.insert(0, str(REPO))  # trainkit
 sys.path.insert(0, str(HERE))  # smoke_suite, smoke_checks, also when imported
 
 import pytest  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 from smoke_checks import MIB  # noqa: E402
 from smoke_suite.lib import (  # noqa: E402
     CONTEXT,
@@ -66,7 +72,7 @@ from smoke_suite.lib import (  # noqa: E402
 )
 from smoke_suite.report import SmokeReport  # noqa: E402
 
-from trainkit import record  # noqa: E402
+from trainkit import baseline, record  # noqa: E402
 from trainkit.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 SUITE = HERE / "smoke_suite"
@@ -93,8 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="the cluster record (default: $DLC_CONFIG/cluster.json)")
-    p.add_argument("--only", default=",".join(STEPS),
-                   help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all; with "
+                        "--record-baseline: allreduce,perf)")
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES_MIB)),
                    help="all-reduce message sizes in MiB (float32), comma-separated")
     p.add_argument("--max-mib", type=float, default=None, help="leave out sizes above this")
@@ -110,7 +117,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-factor", type=float, default=1.0,
                    help="multiply every step's time limit ("
                         + ", ".join(f"{k} {v} s" for k, v in TIMEOUTS.items()) + ")")
+    p.add_argument("--record-baseline", action="store_true",
+                   help="record this measurement as the cluster's performance baseline (make baseline); "
+                        "only with no job running")
+    p.add_argument("--quarantine", action="store_true",
+                   help="take each node the perf step names out of Ray, as make doctor QUARANTINE=1")
+    for name, f in baseline.Thresholds.model_fields.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=f.default,
+                       help=f"perf: {f.description} [{f.default}]")
     a = p.parse_args(argv)
+    if a.only is None:
+        a.only = "allreduce,perf" if a.record_baseline else ",".join(STEPS)
     a.steps = [s.strip() for s in a.only.split(",") if s.strip()]
     unknown = [s for s in a.steps if s not in STEPS]
     if unknown or not a.steps:
@@ -125,6 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"raise --max-mib")
     if a.timeout_factor <= 0:
         raise UserError(f"--timeout-factor {a.timeout_factor} must be above 0")
+    try:
+        a.thresholds = baseline.Thresholds(**{k: getattr(a, k) for k in baseline.Thresholds.model_fields})
+    except ValidationError as e:
+        raise UserError("bad threshold: " + record.problems(e)) from None
+    if a.record_baseline and "perf" not in a.steps:
+        raise UserError(f"--record-baseline with --only {a.only}: the baseline is the perf step's; "
+                        "list perf (and allreduce) in --only, or leave --only out")
     return a
 
 
@@ -133,6 +157,18 @@ def report_path(a: argparse.Namespace, desc: dict, started: dt.datetime) -> Path
         return Path(a.json).expanduser()
     return (record.config_dir() / "smoke" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', desc['name'])}-"
                                             f"{started.strftime('%Y%m%dT%H%M%SZ')}.json")
+
+
+def refuse_busy(jobs: Jobs) -> None:
+    """A baseline is measured on an idle cluster: a running job would slow what it measures."""
+    try:
+        busy = [j.submission_id or j.job_id for j in jobs.client.list_jobs()
+                if str(j.status).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")]
+    except Exception as e:
+        raise UserError(f"cannot ask the job API which jobs run ({e}); nothing was recorded") from None
+    if busy:
+        raise UserError(f"job(s) {', '.join(busy)} running: a baseline measured now would be slowed "
+                        "by them; make baseline once they have ended (ray job list); nothing was recorded")
 
 
 def run_suite(ctx: Context, plugin: SmokeReport, suite: Path = SUITE / "test_steps.py") -> int:
@@ -160,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         if any(s != "proxyjump" for s in a.steps):
             check_job_api(desc["job_api"])
             jobs = Jobs(desc["job_api"], snapshot(REPO, Path(tmp) / "dlcluster"))
+            if a.record_baseline:
+                refuse_busy(jobs)
         log(f"cluster {desc['name']} ({desc['kind']}, {len(desc['nodes'])} node(s)) at "
             f"{desc['job_api']}; steps: {', '.join(s for s in STEPS if s in a.steps)}")
-        plugin = SmokeReport(desc, config, report_path(a, desc, started), steps=a.steps,
+        a.report = report_path(a, desc, started)
+        plugin = SmokeReport(desc, config, a.report, steps=a.steps,
                              limits={k: v * a.timeout_factor for k, v in TIMEOUTS.items()},
                              hard_after=HARD_STOP_AFTER, started=started, t0=t0)
         code = run_suite(Context(desc, a, jobs), plugin)

@@ -3,6 +3,7 @@
     python ray/smoke_checks.py nodes
     python ray/smoke_checks.py allreduce --num-workers N --sizes 1048576,4194304 [--use-gpu]
     python ray/smoke_checks.py models --world-size N --models '[{"job": J, "model": M, "manifest": F}]'
+    python ray/smoke_checks.py perf [--steps 20] [--storage-mib 64]
 
 Each prints exactly one machine-readable line, `SMOKE_JSON {...}`, that the controller parses
 from the job's logs (everything else in the logs is for people). They run as the job's driver
@@ -308,6 +309,132 @@ def remove_run(manifest: dict, model_dir: Path) -> list[str]:
     return removed
 
 
+# ------------------------------------------------------------------ perf (the baseline's per-node part)
+def step_seconds(device: str, threads: int, steps: int, warmup: int = 5) -> dict:
+    """Seconds per training step of one fixed synthetic batch (a small CNN, forward, backward,
+    SGD; seeded, so every node and every run does the same work) over `steps` timed steps: their
+    lower quartile `step_s`, what the device does when nothing else disturbs it (a node slowed for
+    good, by a CPU limit or throttling, is slow in every step; another process's burst slows a
+    few), with the median, min and max."""
+    import statistics
+
+    import torch
+
+    torch.manual_seed(0)
+    if device == "cpu":
+        torch.set_num_threads(max(1, threads))
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(32 * 16 * 16, 10)).to(device)
+    batch = 64 if device == "cpu" else 512
+    x = torch.randn(batch, 3, 64, 64, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return {"step_s": statistics.quantiles(times, n=4)[0], "median_s": statistics.median(times),
+            "min_s": min(times), "max_s": max(times),
+            "steps": steps, "batch": batch, "threads": threads if device == "cpu" else None}
+
+
+def storage_throughput(folder: Path, mib: int) -> dict:
+    """MB/s (1e6 bytes/s) writing `mib` MiB to a new file under `folder` (1 MiB writes, fsync
+    included) and reading it back after dropping it from this machine's page cache
+    (posix_fadvise DONTNEED: an NFS client asks the server again; the better of two reads). The
+    file is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".dlc-perf-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+    block = os.urandom(MIB)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            t = time.perf_counter()
+            for _ in range(mib):
+                os.write(fd, block)
+            os.fsync(fd)
+            wrote = time.perf_counter() - t
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        reads = []
+        for _ in range(2):  # the better of two: a read is only ever slowed by what else runs
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                t, got = time.perf_counter(), 0
+                while chunk := os.read(fd, 4 * MIB):
+                    got += len(chunk)
+                reads.append(time.perf_counter() - t)
+            finally:
+                os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    size = mib * MIB
+    if got != size:
+        raise OSError(f"read back {got} of {size} bytes from {path}")
+    return {"write_mbps": size / wrote / 1e6, "read_mbps": size / min(reads) / 1e6, "mib": mib,
+            "folder": str(folder)}
+
+
+def node_perf(cpus: int, gpus: int, steps: int, storage_mib: int) -> dict:
+    """One node's part, run as a task holding all of the node's CPUs and GPUs (nothing else of
+    Ray's runs there meanwhile): the step time on its CPUs and on each GPU, the shared storage."""
+    import ray as r
+    from trainkit.flags import default_storage
+
+    out: dict = {"ip": r.util.get_node_ip_address(), "hostname": socket.gethostname()}
+    out["cpu"] = step_seconds("cpu", cpus, steps)
+    out["gpus"] = [step_seconds(f"cuda:{i}", 0, steps) for i in range(gpus)]
+    storage = default_storage()
+    if "://" in storage:
+        out["storage"] = {"skipped": f"the runs' storage {storage} is not a folder on the node"}
+    else:
+        try:
+            out["storage"] = storage_throughput(Path(storage), storage_mib)
+        except OSError as e:
+            out["storage"] = {"error": f"{storage}: {e}"}
+    return out
+
+
+def run_perf(steps: int, storage_mib: int, timeout: float) -> dict:
+    """node_perf on every alive node, one node after the other (no measurement shares a machine
+    or the network with another: on a cluster whose nodes share a host, as the emulated one, the
+    figures stay comparable), each pinned to its node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import ray
+
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    try:
+        measured, problems = [], []
+        for n in sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"]):
+            res = n.get("Resources") or {}
+            cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
+            task = ray.remote(node_perf).options(
+                num_cpus=cpus, num_gpus=gpus,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            ref = task.remote(max(1, cpus), gpus, steps, storage_mib)
+            try:
+                measured.append({**ray.get(ref, timeout=timeout), "cpus": cpus, "gpus_ray": gpus})
+            except Exception as e:  # a node that cannot run it: the controller names it
+                ray.cancel(ref, force=True)
+                problems.append({"ip": n["NodeManagerAddress"],
+                                 "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+        return {"nodes": measured, "problems": problems}
+    finally:
+        ray.shutdown()
+
+
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="smoke_checks", description=__doc__.split("\n\n")[0])
@@ -325,6 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     mo.add_argument("--runs", required=True,
                     help='JSON: [{"job": ..., "name": ..., "storage_path": ... or null}]')
     mo.add_argument("--clean", action="store_true")
+    pe = sub.add_parser("perf")
+    pe.add_argument("--steps", type=int, default=40, help="timed steps of the fixed batch per device")
+    pe.add_argument("--storage-mib", type=int, default=64, help="MiB written and read on the storage")
+    pe.add_argument("--node-timeout", type=float, default=180, help="seconds per node")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     if a.cmd == "nodes":
@@ -332,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "allreduce":
         a.sizes = [int(s) for s in a.sizes.split(",")]
         payload = run_allreduce(a)
+    elif a.cmd == "perf":
+        payload = run_perf(a.steps, a.storage_mib, a.node_timeout)
     else:
         models = [check_run(r["job"], r["name"], r.get("storage_path"), a.world_size, a.clean)
                   for r in json.loads(a.runs)]

@@ -71,3 +71,13 @@ if [ "$rc" -ne 0 ]; then
   .venv-ansible/bin/python scripts/ansible_failure.py "$log" "$what" >&2 || true
   exit "$rc"
 fi
+
+# The first cluster-up of new servers records their performance baseline (make baseline) while they
+# are idle; a failure there leaves the cluster up, and the note for the next run.
+due="$config/clusters/$name/baseline-due"
+if [ "$action" = up ] && [ -e "$due" ]; then
+  echo "cluster-up: new servers: recording their performance baseline (make baseline, about a minute)"
+  if .venv/bin/python ray/smoke.py --record-baseline; then rm -f "$due"
+  else echo "cluster-up: warning: the cluster is up, but no performance baseline was recorded (above): make baseline once that is fixed" >&2
+  fi
+fi

@@ -27,13 +27,13 @@ from urllib.parse import urlparse
 import pytest
 from smoke_checks import MARKER
 
-from trainkit import record
+from trainkit import baseline, record
 from trainkit.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "smoke"
-STEPS = ("nodes", "allreduce", "trainers", "proxyjump")  # the suite's tests, test_<step>, in this order
-TIMEOUTS = {"nodes": 180, "allreduce": 600, "trainers": 2700, "proxyjump": 120}  # seconds
+STEPS = ("nodes", "allreduce", "perf", "trainers", "proxyjump")  # the suite's tests, test_<step>, in order
+TIMEOUTS = {"nodes": 180, "allreduce": 600, "perf": 600, "trainers": 2700, "proxyjump": 120}  # seconds
 # A job past its step's limit is stopped by the test itself (Jobs.run's deadline), which then fails
 # with the job's last lines; pytest-timeout stops a test this much later whatever it waits on (the
 # trainers' model check may run 300 s past the limit, a stopped job takes up to 30 s to end).
@@ -144,6 +144,18 @@ def trainer_args(job: str, workers: int, use_gpu: bool) -> list[str]:
     if job == "tf_cnn":
         return [*common, "--per-class", str(max(24, 6 * workers)), "--batch-size", "4"]
     raise ValueError(job)
+
+
+# ------------------------------------------------------------------ perf
+def perf_skip_reason(desc: dict, recording: bool) -> str | None:
+    """Why the perf step cannot compare (or record) on this cluster, or None."""
+    if desc["kind"] != "ansible" or not desc.get("ssh_config"):
+        return (f"cluster {desc['name']} is a local one: its nodes share this machine, a per-node "
+                "baseline means nothing there (make baseline is for servers from an inventory)")
+    if not recording and baseline.latest(desc["name"]) is None:
+        return (f"no performance baseline for cluster {desc['name']} yet "
+                f"({baseline.folder(desc['name'])}): make baseline, with no job running")
+    return None
 
 
 # ------------------------------------------------------------------ proxyjump
@@ -382,6 +394,7 @@ class Context:
     args: argparse.Namespace
     jobs: Jobs | None
     deadline: float = 0.0
+    results: dict = field(default_factory=dict)  # step -> its details, for the steps after it
     stamp: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S"))
 
     @property
@@ -402,6 +415,10 @@ class Context:
     def use_gpu(self) -> bool:
         """GPUs (NCCL) when every worker node has one, else CPUs (gloo)."""
         return bool(self.worker_nodes) and all(n["gpus"] > 0 for n in self.worker_nodes)
+
+    @property
+    def rec(self) -> record.ClusterRecord:
+        return record.ClusterRecord.model_validate(self.desc)
 
     def need_workers(self) -> None:
         if not self.worker_nodes:

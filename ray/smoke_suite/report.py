@@ -160,6 +160,11 @@ def key_numbers(result: dict) -> str:
         return (f"{d['backend']}, {d['world_size']} ranks on {d['nodes_used']} nodes; "
                 f"{fmt_bytes(big['bytes'])}: {big['time_us']:.0f} us, algbw {big['algbw_gbs']:.3f} "
                 f"GB/s, busbw {big['busbw_gbs']:.3f} GB/s; #wrong {sum(r['wrong'] for r in d['rows'])}")
+    if name == "perf":
+        n = d["now"]
+        verb = f"recorded as the baseline {d['recorded']}" if d.get("recorded") else \
+            f"against {d['baseline']}, 0 findings"
+        return f"{len(n['nodes'])} nodes, {len(n['links'])} links measured; {verb}"
     if name == "trainers":
         return ", ".join(f"{j} {r['seconds']:.0f} s (parity {r['check']['parity']['max_abs_diff']:.1e})"
                          for j, r in d["jobs"].items())
@@ -218,6 +223,9 @@ def summary(report: dict, path: Path | None = None) -> list[str]:
     for s in report["steps"]:
         if s["name"] == "allreduce" and s["details"].get("rows"):
             lines += ["  " + line for line in allreduce_table(s["details"])]
+        if s["name"] == "perf" and s["details"].get("table"):
+            lines += ["  perf: " + line for line in s["details"]["table"]]
+            lines += [f"  perf: plot {s['details']['plot']}"] if s["details"].get("plot") else []
     verdict = "PASS" if report["ok"] else "FAIL"
     lines.append(f"smoke: {verdict}: {report['passed']} passed, {report['failed']} failed, "
                  f"{report['skipped']} skipped in {report['seconds']:.0f} s"

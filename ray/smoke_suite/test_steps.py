@@ -1,5 +1,5 @@
 """The smoke steps, one test each, in the order they run (`--only` selects among them; the report
-plugin keeps this order): nodes, allreduce, trainers, proxyjump. Each fills `details`, which the
+plugin keeps this order): nodes, allreduce, perf, trainers, proxyjump. Each fills `details`, which the
 report keeps; a failure's message is the step's error (pytest.fail), a skip's its reason."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from smoke_suite.lib import (
+    REPO,
     TRAINERS,
     Context,
     check_node_proxyjump,
@@ -20,9 +21,11 @@ from smoke_suite.lib import (
     job_payload,
     log,
     node_problems,
+    perf_skip_reason,
     proxyjump_skip_reason,
     trainer_args,
 )
+from trainkit import baseline, doctor, plots
 
 
 def test_nodes(ctx: Context, details: dict):
@@ -47,6 +50,7 @@ def test_allreduce(ctx: Context, details: dict):
     """Ray Train's TorchTrainer, one worker per node: all-reduce of each size, every element
     checked, nccl-tests' time, algbw and busbw."""
     ctx.need_workers()
+    ctx.results["allreduce"] = details
     argv = ["python", "ray/smoke_checks.py", "allreduce", "--num-workers", str(ctx.workers),
             "--sizes", ",".join(map(str, ctx.args.sizes_bytes)),
             "--name", f"smoke-allreduce-{ctx.stamp}"]
@@ -74,6 +78,75 @@ def test_allreduce(ctx: Context, details: dict):
         problems.append("the job measured other sizes than asked")
     if problems:
         fail(details, "; ".join(problems), problems=problems)
+
+
+def test_perf(ctx: Context, details: dict):
+    """Against the cluster's baseline (or recorded as it, --record-baseline): each node's step time
+    of a fixed batch and its shared storage's throughput, each link's bandwidth (iperf3 through the
+    bastion), the allreduce step's bus bandwidth against the link peak. One line per figure worse
+    than its threshold; a table, and a plot beside the report."""
+    a = ctx.args
+    reason = perf_skip_reason(ctx.desc, a.record_baseline)
+    if reason:
+        pytest.skip(reason)
+    rec, th = ctx.rec, a.thresholds
+    if a.record_baseline and "allreduce" not in ctx.results:
+        fail(details, "a baseline needs the allreduce step: leave --only out, or list allreduce in it")
+    ref = baseline.latest(rec.name)
+    base = ref[1] if ref else None
+    payload, run = job_payload(ctx, details, "perf", ["python", "ray/smoke_checks.py", "perf"],
+                               "the perf job")
+    nodes, found = baseline.from_payload(rec, payload)
+    log(f"perf: {len(nodes)} node(s) measured in {run.seconds:.0f} s; the links, through {rec.bastion}")
+    links, more = baseline.links(rec, note=lambda m: log(f"perf: {m}"))
+    found += more
+    now = baseline.Perf(cluster=rec.name, recorded=baseline.now_utc(), commit=baseline.commit(REPO),
+                        inventory_digest=baseline.inventory_digest(rec.inventory), nodes=nodes, links=links,
+                        allreduce=baseline.allreduce(ctx.results.get("allreduce")))
+    measured_ok = not found and set(nodes) >= {n.name for n in rec.nodes}
+    if a.record_baseline:
+        found += baseline.compare(None, now, th)  # what holds without a baseline (NCCL against the links)
+    else:
+        found += baseline.compare(base, now, th)
+    details["table"] = baseline.table(base, now)
+    for line in details["table"]:
+        log(f"perf: {line}")
+    details.update({"now": now.model_dump(), "baseline": str(ref[0]) if ref else None,
+                    "thresholds": th.model_dump(), "job": run.summary(),
+                    "findings": [f.model_dump() for f in found]})
+    if base and not a.record_baseline:
+        png = Path(a.report).with_suffix(".perf.png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            details["plot"] = str(baseline.plot(base, now, th, png, plots.pyplot()))
+            log(f"perf: plot {png}")
+        except Exception as e:  # the figures stand without their picture
+            log(f"perf: no plot ({type(e).__name__}: {e})")
+    lines = [f.line() for f in found]
+    for line in lines:
+        log(f"perf: {line}")
+    if a.quarantine and found:
+        details["quarantine"] = quarantined = quarantine(rec, found)
+        for line in quarantined:
+            log(f"perf: {line}")
+    if a.record_baseline:
+        if not measured_ok or found:
+            fail(details, "no baseline recorded: " + ("; ".join(lines) or "not every node was measured"))
+        details["recorded"] = str(baseline.save(now))
+        log(f"perf: baseline recorded: {details['recorded']}")
+    elif lines:
+        fail(details, "; ".join(lines))
+
+
+def quarantine(rec, found) -> list[str]:
+    """The nodes named (not links nor the all-reduce) taken out of Ray, as make doctor QUARANTINE=1
+    does (the doctor's report tells which are quarantined already and which Ray lists)."""
+    names = {n.name for n in rec.nodes}
+    mine = [f for f in found if f.node in names]
+    if not mine:
+        return ["nothing to quarantine: no single node is named"]
+    _, report = doctor.doctor(rec, min_free_gb=0, max_clock_offset=1e9)
+    return doctor.quarantine(rec, mine, report)
 
 
 def test_trainers(ctx: Context, details: dict):

@@ -28,7 +28,6 @@ first step on Ray with it (one epoch at 60x80).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -39,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit import launch, record, versions
+from trainkit import launch, plots, record
 from trainkit.errors import UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,32 +229,12 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_site() -> Path:
-    """matplotlib, pinned in tests/bench/requirements.txt, kept out of the project's environment
-    (only the benchmark plots): installed once under $DLC_CACHE, keyed by those pins."""
-    reqs = Path(__file__).with_name("requirements.txt")
-    key = hashlib.sha256(reqs.read_bytes() + sys.version.encode()).hexdigest()[:16]
-    site = versions.cache_dir() / f"bench-plot-{key}"
-    if not (site / ".complete").exists():
-        tmp = Path(tempfile.mkdtemp(prefix=site.name, dir=site.parent if site.parent.exists() else None))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                        "-r", str(reqs)], check=True)
-        (tmp / ".complete").touch()
-        site.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(site)
-    return site
-
-
 TARGETS = {"launch_to_first_step_s": 1.5, "train_epoch_s": 1.05, "wall_s": 1.3}  # the autoencoder's
 
 
 def plot(summary: dict, path: Path) -> None:
     """Ray / plain per measure and job: the median's ratio, with the range the repeats allow."""
-    sys.path.insert(0, str(plot_site()))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 4.8))
     width = 0.8 / len(summary)

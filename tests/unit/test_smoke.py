@@ -80,7 +80,14 @@ def args(*argv):
 
 def test_flags_and_their_defaults():
     a = args()
-    assert a.steps == list(lib.STEPS) == ["nodes", "allreduce", "trainers", "proxyjump"]
+    assert a.steps == list(lib.STEPS) == ["nodes", "allreduce", "perf", "trainers", "proxyjump"]
+    assert (a.record_baseline, a.quarantine, a.thresholds.max_step_slowdown) == (False, False, 0.25)
+    assert args("--record-baseline").steps == ["allreduce", "perf"]
+    assert args("--record-baseline", "--only", "nodes,allreduce,perf").steps == ["nodes", "allreduce", "perf"]
+    with pytest.raises(UserError, match="--record-baseline with --only nodes: the baseline is the perf"):
+        args("--record-baseline", "--only", "nodes")
+    with pytest.raises(UserError, match=r"bad threshold: min_link_fraction: Input should be less than or eq"):
+        args("--min-link-fraction", "1.5")
     assert (a.config, a.json, a.storage_path, a.models_dir, a.clean, a.timeout_factor) == \
         (None, None, None, None, False, 1.0)
     a = args("--config", "/c/cluster.json", "--json", "/r.json", "--storage-path", "/s", "--models-dir",
@@ -394,7 +401,7 @@ def test_no_record_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [
     (["--only", "nodes,gpus"], "smoke: error: --only 'nodes,gpus': unknown step(s) gpus; use some of "
-                               "nodes,allreduce,trainers,proxyjump"),
+                               "nodes,allreduce,perf,trainers,proxyjump"),
     (["--sizes", "big"], "smoke: error: --sizes 'big' must be numbers of MiB, e.g. 1,4,16"),
     (["--max-mib", "0.1"], "smoke: error: no all-reduce size left from --sizes 1,4,16,64,256 with "
                            "--max-mib 0.1; raise --max-mib"),
