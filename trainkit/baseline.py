@@ -315,20 +315,25 @@ def table(base: Perf | None, now: Perf) -> list[str]:
 
 def plot(base: Perf, now: Perf, th: Thresholds, path: Path, pyplot) -> Path:
     """One panel per node (and one for the links and the all-reduce): each figure's speed against
-    its baseline (1.0: as fast; below the dashed line: named as a finding)."""
+    its baseline (1.0: as fast; below the dashed line: named as a finding; the bus bandwidth's line
+    is its own threshold against the baseline's, where the finding holds it to the links')."""
     groups: dict[str, list[dict]] = {}
     for r in rows(base, now):
+        if r["speed"] is None:  # not measured now, or new since the baseline: in the table only
+            continue
         who = r["who"] if r["who"] in now.nodes or (r["who"] in base.nodes) else "links, all-reduce"
         groups.setdefault(who, []).append(r)
     limit = {"link": th.min_link_fraction, "bus bandwidth": th.min_busbw_fraction,
              "storage write": th.min_storage_fraction, "storage read": th.min_storage_fraction}
+    if not groups:
+        raise ValueError("no figure was measured both in the baseline and now")
     fig, axes = pyplot.subplots(1, len(groups), figsize=(3.2 * len(groups) + 1, 3.8), squeeze=False,
                                 sharey=True)
-    top = max(1.3, 1.15 * max(r["speed"] or 0 for rs in groups.values() for r in rs))
+    top = max([1.3] + [1.15 * r["speed"] for rs in groups.values() for r in rs])
     for ax, (who, rs) in zip(axes[0], groups.items(), strict=True):
         labels = [r["what"] if who != "links, all-reduce" else (r["who"] if r["what"] == "link" else "bus bw")
                   for r in rs]
-        speeds = [r["speed"] or 0 for r in rs]
+        speeds = [r["speed"] for r in rs]
         lims = [limit.get(r["what"], 1 / (1 + th.max_step_slowdown)) for r in rs]
         colors = ["tab:red" if s < lim else "tab:green" for s, lim in zip(speeds, lims, strict=True)]
         bars = ax.bar(range(len(rs)), speeds, color=colors)
