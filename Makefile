@@ -40,7 +40,8 @@ ANSIBLE_ARGS    ?=
 SMOKE_ARGS      ?=
 # extra flags for make doctor (python -m trainkit.doctor --help), e.g. --min-free-gb 10
 DOCTOR_ARGS     ?=
-# make doctor QUARANTINE=1: take each worker with a finding out of Ray; make release NODE=...: back
+# make doctor QUARANTINE=1: take each worker with a finding out of Ray; make release NODE=...: back;
+# make remove-node NODE=...: the worker taken out of the cluster
 QUARANTINE      ?=
 NODE            ?=
 
@@ -56,7 +57,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token remove-node submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -82,6 +83,9 @@ attach: setup ## INVENTORY set: use a running cluster from this machine (its tok
 
 rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
 	@scripts/cluster.sh rotate-token
+
+remove-node: setup ## INVENTORY set: take worker NODE out (drained in Ray, its Ray stopped and disabled, out of every list and the record)
+	@NODE=$(NODE) scripts/cluster.sh remove-node
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
 	@ray/submit.sh $(JOB) $(ARGS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make cluster-up / cluster-status / cluster-down / attach / rotate-token.
+# make cluster-up / cluster-status / cluster-down / attach / rotate-token / remove-node.
 #
-#   usage: scripts/cluster.sh up|status|down|attach|rotate-token
+#   usage: scripts/cluster.sh up|status|down|attach|rotate-token|remove-node (NODE=...)
 #
 # INVENTORY empty: the embedded local cluster on this machine (ray/local_cluster.py).
 # INVENTORY set:   real (or emulated) servers through their bastion: the playbook
@@ -12,9 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 action=${1:-}
-case "$action" in up|status|down) what=cluster-$action ;; attach|rotate-token) what=$action ;; *) what=cluster ;; esac
+case "$action" in up|status|down) what=cluster-$action ;; attach|rotate-token|remove-node) what=$action ;; *) what=cluster ;; esac
 die() { echo "$what: error: $*" >&2; exit 2; }
-[ "$what" != cluster ] || die "usage: $0 up|status|down|attach|rotate-token"
+[ "$what" != cluster ] || die "usage: $0 up|status|down|attach|rotate-token|remove-node"
 
 # One cluster-up/down per cluster at a time: a second one is one line naming the holder. Bash
 # holds the lock (fd 9) until it exits; what it starts runs with fd 9 closed (ansible-playbook:
@@ -50,6 +50,15 @@ log="$config/clusters/$name/$action.log"
 
 lock_cluster "$name"
 
+# remove-node: cluster-up without that worker (dlc_remove_node: drained, its Ray stopped, out of
+# every list and the record)
+playbook=cluster-$action.yml removal=()
+if [ "$action" = remove-node ]; then
+  [[ ${NODE:-} =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] \
+    || die "NODE='${NODE:-}': name the worker to take out, as the inventory does: make remove-node NODE=node-2 INVENTORY=$INVENTORY"
+  playbook=cluster-up.yml removal=(-e "dlc_remove_node=$NODE")
+fi
+
 export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 # Ansible's own connection sockets, per cluster and config folder: an old connection can never
 # stand in for the generated ssh config (ControlPersist hides a broken config otherwise). In
@@ -64,12 +73,16 @@ export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
-   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" "${extra[@]}" "cluster-$action.yml") 9>&- 2>&1 | tee "$log"
+   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" "${removal[@]}" "${extra[@]}" "$playbook") 9>&- 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then
   .venv-ansible/bin/python scripts/ansible_failure.py "$log" "$what" >&2 || true
   exit "$rc"
+fi
+
+if [ "$action" = remove-node ]; then
+  echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins)"
 fi
 
 # The first cluster-up of new servers records their performance baseline (make baseline) while they

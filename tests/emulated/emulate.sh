@@ -34,7 +34,9 @@ DOCKER=${DOCKER:-/usr/bin/docker}
 export DOCKER_BUILDKIT=1
 CONFIG=${DLC_CONFIG:?DLC_CONFIG is not set: run this through make, which sets it}
 KEYDIR=$CONFIG/emulated
-NODES=(node-1 node-2 node-3)
+# EMULATE_NODES="node-1 node-2 node-3 node-4": a fourth node (the tier's added node), up to node-9
+read -r -a NODES <<<"${EMULATE_NODES:-node-1 node-2 node-3}"
+ALL_NODES=(node-1 node-2 node-3 node-4 node-5 node-6 node-7 node-8 node-9)
 PUB_NET=dlc-emu-public PUB_BRIDGE=dlc-emu-pub PUB_SUBNET=172.31.250.0/24
 PRIV_NET=dlc-emu-private PRIV_BRIDGE=dlc-emu-priv PRIV_SUBNET=172.31.251.0/24
 OUT_NET=dlc-emu-outside OUT_BRIDGE=dlc-emu-out OUT_SUBNET=172.31.252.0/24 OUT_SUBNET6=fd00:dc:252::/64
@@ -194,7 +196,7 @@ up() {
 }
 
 down() {
-  for c in "${NODES[@]/#/dlc-emu-}" dlc-emu-bastion dlc-emu-gateway dlc-emu-outsider; do
+  for c in "${ALL_NODES[@]/#/dlc-emu-}" dlc-emu-bastion dlc-emu-gateway dlc-emu-outsider; do
     exists "$c" && "$DOCKER" rm -f "$c" >/dev/null && say "removed $c"
   done
   for net in "$PRIV_NET" "$PUB_NET" "$OUT_NET"; do

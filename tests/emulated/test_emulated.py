@@ -1405,6 +1405,61 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
     assert len(list((emulated.cluster_dir / "baselines").glob("*.json"))) == 1
 
 
+NODE4 = "172.31.251.14"
+
+
+def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_it_out(emulated, tmp_path):
+    """A fourth server (a container like the others) added to the inventory: cluster-up provisions
+    it and it joins; Ray on the three others is not restarted. make remove-node NODE=node-4 drains
+    it, stops and disables its Ray, and leaves it out of every node's /etc/hosts, the bastion's
+    client list and the cluster record, again restarting nothing else; a job then trains on the
+    three. Bad NODE values are one line each before anything changes."""
+    make = ["make", "--no-print-directory", "remove-node"]
+    for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
+                                  "cannot be removed"),
+                       ("node-9", "NODE=node-9: no worker of that name in "),
+                       ("", "remove-node: error: NODE='': name the worker to take out")):
+        bad = run([*make, f"NODE={node}"], {**emulated.env, "INVENTORY": str(INVENTORY)}, timeout=300)
+        assert bad.returncode != 0 and says in bad.stderr.strip().splitlines()[-1], bad.stderr[-2000:]
+    env = {**emulated.env, "EMULATE_NODES": "node-1 node-2 node-3 node-4"}
+    run(["tests/emulated/emulate.sh", "up"], env, timeout=600, check=True)
+    text = EMULATED.replace("          docker_image_from: bastion\n", "          docker_image_from: bastion\n"
+                            f"        node-4:\n          ansible_host: {NODE4}\n", 1)
+    assert text != EMULATED
+    inventory = _inventory(tmp_path, "emulated", text)  # the same cluster (its folder's name)
+    pids = ray_pids(emulated)
+    try:
+        up = emulated.cluster("up", inventory, timeout=1200)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-2000:]
+        assert ray_pids(emulated) == pids  # the three went on as they were
+        assert sorted(emulated.wait_for_nodes(4)) == sorted([*NODES.values(), NODE4])
+        desc = json.loads((emulated.config / "cluster.json").read_text())
+        assert "node-4" in [n["name"] for n in desc["nodes"]]
+        assert NODE4 in emulated.ssh("node-1", "getent hosts node-4").stdout
+        assert NODE4 in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
+        proc = run([*make, "NODE=node-4"], {**emulated.env, "INVENTORY": str(inventory)}, timeout=900)
+        print(proc.stdout[-3000:], proc.stderr[-2000:])
+        assert proc.returncode == 0
+        assert ("remove-node: node-4 is out of cluster emulated: drained, its Ray stopped and disabled, "
+                "left out of every node list and the cluster record; now delete it from "
+                f"{inventory}") in proc.stdout
+        assert ray_pids(emulated) == pids
+        assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+        desc = json.loads((emulated.config / "cluster.json").read_text())
+        assert sorted(n["name"] for n in desc["nodes"]) == sorted(NODES)
+        state = emulated.ssh("node-4", "systemctl is-active dlc-ray; systemctl is-enabled dlc-ray; "
+                             "test -e /etc/dlcluster/quarantine && echo quarantined").stdout.split()
+        assert state == ["inactive", "disabled"], state
+        for node in NODES:
+            assert "node-4" not in emulated.ssh(node, "cat /etc/hosts").stdout, node
+        assert NODE4 not in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
+        name = f"three-{int(time.time())}"
+        submit(emulated, "--name", name, "--limit", "200", "--image-size", "40x60", "--batch-size", "16")
+        assert sorted(published(emulated, name)["replica_hosts"]) == sorted(NODES)
+    finally:
+        run(["docker", "rm", "-f", "dlc-emu-node-4"], emulated.env, timeout=120)
+
+
 def test_the_token_and_the_push_password_are_never_printed(emulated):
     """After everything above (cluster-up, jobs, faults, smoke, rotate-token, doctor): the token is
     in no file under the config folder but its own, in no Ray log on any node and in no node's
