@@ -57,7 +57,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token remove-node submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -86,6 +86,9 @@ rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ra
 
 remove-node: setup ## INVENTORY set: take worker NODE out (drained in Ray, its Ray stopped and disabled, out of every list and the record)
 	@NODE=$(NODE) scripts/cluster.sh remove-node
+
+upgrade: setup ## INVENTORY set: roll a new image, environment or setting onto the running cluster, one worker at a time (drained, restarted, checked, rolled back on failure), the head last
+	@SMOKE_ARGS="$(SMOKE_ARGS)" scripts/cluster.sh upgrade
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
 	@ray/submit.sh $(JOB) $(ARGS)

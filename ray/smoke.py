@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--record-baseline", action="store_true",
                    help="record this measurement as the cluster's performance baseline (make baseline); "
                         "only with no job running")
+    p.add_argument("--nodes", default=None,
+                   help="perf: measure and compare only these nodes (comma-separated names of the "
+                        "cluster record), and the links between them (make upgrade: the node it upgraded)")
     p.add_argument("--quarantine", action="store_true",
                    help="take each node the perf step names out of Ray, as make doctor QUARANTINE=1")
     for name, f in baseline.Thresholds.model_fields.items():
@@ -146,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.thresholds = baseline.Thresholds(**{k: getattr(a, k) for k in baseline.Thresholds.model_fields})
     except ValidationError as e:
         raise UserError("bad threshold: " + record.problems(e)) from None
+    a.nodes = [n.strip() for n in a.nodes.split(",") if n.strip()] if a.nodes is not None else None
+    if a.nodes is not None and not a.nodes:
+        raise UserError("--nodes is empty: name one or more nodes of the cluster record, e.g. --nodes node-2")
+    if a.record_baseline and a.nodes:
+        raise UserError(f"--record-baseline with --nodes {','.join(a.nodes)}: a baseline measures every "
+                        "node and link; leave --nodes out")
     if a.record_baseline and "perf" not in a.steps:
         raise UserError(f"--record-baseline with --only {a.only}: the baseline is the perf step's; "
                         "list perf (and allreduce) in --only, or leave --only out")
@@ -189,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     config = Path(a.config).expanduser() if a.config else record.config_dir() / "cluster.json"
     desc = load_record(config)
     check_token(desc, config)
+    unknown = sorted(set(a.nodes or []) - {n["name"] for n in desc["nodes"]})
+    if unknown:
+        raise UserError(f"--nodes: no node {', '.join(unknown)} in cluster {desc['name']}; its nodes: "
+                        f"{', '.join(n['name'] for n in desc['nodes'])}")
     os.environ.update(record.load(config).client_env())
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dlc-smoke-") as tmp:

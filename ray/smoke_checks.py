@@ -406,10 +406,10 @@ def node_perf(cpus: int, gpus: int, steps: int, storage_mib: int) -> dict:
     return out
 
 
-def run_perf(steps: int, storage_mib: int, timeout: float) -> dict:
-    """node_perf on every alive node, one node after the other (no measurement shares a machine
-    or the network with another: on a cluster whose nodes share a host, as the emulated one, the
-    figures stay comparable), each pinned to its node."""
+def run_perf(steps: int, storage_mib: int, timeout: float, ips: set[str] | None = None) -> dict:
+    """node_perf on every alive node (or those of `ips`), one node after the other (no measurement
+    shares a machine or the network with another: on a cluster whose nodes share a host, as the
+    emulated one, the figures stay comparable), each pinned to its node."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     import ray
@@ -417,7 +417,10 @@ def run_perf(steps: int, storage_mib: int, timeout: float) -> dict:
     ray.init(logging_level="ERROR", log_to_driver=False)
     try:
         measured, problems = [], []
-        for n in sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"]):
+        alive = [n for n in ray.nodes() if n.get("Alive") and (not ips or n["NodeManagerAddress"] in ips)]
+        missing = sorted((ips or set()) - {n["NodeManagerAddress"] for n in alive})
+        problems += [{"ip": ip, "error": "not alive in Ray"} for ip in missing]
+        for n in sorted(alive, key=lambda n: n["NodeManagerAddress"]):
             res = n.get("Resources") or {}
             cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
             task = ray.remote(node_perf).options(
@@ -456,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     pe.add_argument("--steps", type=int, default=40, help="timed steps of the fixed batch per device")
     pe.add_argument("--storage-mib", type=int, default=64, help="MiB written and read on the storage")
     pe.add_argument("--node-timeout", type=float, default=180, help="seconds per node")
+    pe.add_argument("--ips", default="", help="only the nodes of these addresses (comma-separated)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     if a.cmd == "nodes":
@@ -464,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         a.sizes = [int(s) for s in a.sizes.split(",")]
         payload = run_allreduce(a)
     elif a.cmd == "perf":
-        payload = run_perf(a.steps, a.storage_mib, a.node_timeout)
+        payload = run_perf(a.steps, a.storage_mib, a.node_timeout, {i for i in a.ips.split(",") if i})
     else:
         models = [check_run(r["job"], r["name"], r.get("storage_path"), a.world_size, a.clean)
                   for r in json.loads(a.runs)]

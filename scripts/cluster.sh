@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make cluster-up / cluster-status / cluster-down / attach / rotate-token / remove-node.
+# make cluster-up / cluster-status / cluster-down / attach / rotate-token / remove-node / upgrade.
 #
-#   usage: scripts/cluster.sh up|status|down|attach|rotate-token|remove-node (NODE=...)
+#   usage: scripts/cluster.sh up|status|down|attach|rotate-token|remove-node (NODE=...)|upgrade
 #
 # INVENTORY empty: the embedded local cluster on this machine (ray/local_cluster.py).
 # INVENTORY set:   real (or emulated) servers through their bastion: the playbook
@@ -12,9 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 action=${1:-}
-case "$action" in up|status|down) what=cluster-$action ;; attach|rotate-token|remove-node) what=$action ;; *) what=cluster ;; esac
+case "$action" in up|status|down) what=cluster-$action ;; attach|rotate-token|remove-node|upgrade) what=$action ;; *) what=cluster ;; esac
 die() { echo "$what: error: $*" >&2; exit 2; }
-[ "$what" != cluster ] || die "usage: $0 up|status|down|attach|rotate-token|remove-node"
+[ "$what" != cluster ] || die "usage: $0 up|status|down|attach|rotate-token|remove-node|upgrade"
 
 # One cluster-up/down per cluster at a time: a second one is one line naming the holder. Bash
 # holds the lock (fd 9) until it exits; what it starts runs with fd 9 closed (ansible-playbook:
@@ -58,6 +58,9 @@ if [ "$action" = remove-node ]; then
     || die "NODE='${NODE:-}': name the worker to take out, as the inventory does: make remove-node NODE=node-2 INVENTORY=$INVENTORY"
   playbook=cluster-up.yml removal=(-e "dlc_remove_node=$NODE")
 fi
+# upgrade: cluster-up one node at a time, each drained first, checked after, rolled back on a
+# failed check (dlc_upgrade)
+if [ "$action" = upgrade ]; then playbook=cluster-up.yml removal=(-e dlc_upgrade=true); fi
 
 export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 # Ansible's own connection sockets, per cluster and config folder: an old connection can never
@@ -81,6 +84,9 @@ if [ "$rc" -ne 0 ]; then
   exit "$rc"
 fi
 
+if [ "$action" = upgrade ]; then
+  echo "upgrade: cluster $name runs what $INVENTORY and this checkout say, every node checked after its restart (the log: $log)"
+fi
 if [ "$action" = remove-node ]; then
   echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins)"
 fi

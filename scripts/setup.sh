@@ -14,6 +14,12 @@ command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install $DE
 key=$("$PYTHON" scripts/envkey.py)
 venv="$CACHE/venv-$key"
 
+# One setup at a time per cache (two checkouts, or a test run beside a shell): a second one that
+# found an environment half built would remove it under the first. It waits for the first instead.
+mkdir -p "$CACHE"
+exec 8>>"$CACHE/.setup.lock"
+flock -n 8 || { echo "setup: another make setup is building in $CACHE; waiting for it to end"; flock 8; }
+
 if [ ! -f "$venv/.complete" ]; then
   echo "setup: building the environment $venv (first time for this set of pins; several minutes)"
   rm -rf "$venv"

@@ -128,10 +128,11 @@ def iperf(rec: record.ClusterRecord, client: record.Node, server: record.Node, s
     raise RuntimeError(f"iperf3 from {client.name} to {server.name} ({server.ip}): {said}")
 
 
-def links(rec: record.ClusterRecord, note=print) -> tuple[dict[str, float], list[Finding]]:
-    """Every pair of nodes, one pair after the other (each measured alone)."""
+def links(rec: record.ClusterRecord, note=print,
+          only: list[record.Node] | None = None) -> tuple[dict[str, float], list[Finding]]:
+    """Every pair of nodes (of `only`, when given), one pair after the other (each measured alone)."""
     measured, found = {}, []
-    nodes = [n for n in rec.nodes if n.ip]
+    nodes = [n for n in (only or rec.nodes) if n.ip]
     for a, b in itertools.combinations(nodes, 2):
         try:
             measured[pair(a.name, b.name)] = gbps = iperf(rec, a, b)

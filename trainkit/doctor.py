@@ -4,6 +4,7 @@ compared with the head's and with the record, and each problem is one line: the 
 wrong, the fix. Exit 1 on any finding; the whole report is clusters/<name>/doctor.json.
 
     python -m trainkit.doctor [--min-free-gb 2] [--max-clock-offset 1.0] [--quarantine]
+    python -m trainkit.doctor --node NODE   (one node's findings only: make upgrade's check)
     python -m trainkit.doctor --release NODE
 """
 
@@ -50,7 +51,10 @@ class Clock(BaseModel):
 
 def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list[dict] | None,
             clocks: dict[str, Clock], min_free_gb: float = 2.0,
-            max_clock_offset: float = 1.0, min_cert_days: float = 30) -> list[Finding]:
+            max_clock_offset: float = 1.0, min_cert_days: float = 30,
+            only: str | None = None) -> list[Finding]:
+    """Every finding, or with `only` that node's alone, its image not compared with the other
+    docker nodes' (make upgrade checks a node that runs the new image while the others do not yet)."""
     head = next(n for n in rec.nodes if n.role == "head")
     ref = answers.get(head.name) or {}
     found: list[Finding] = []
@@ -59,7 +63,8 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
         found.append(Finding(node=node, what=what, fix=fix))
 
     docker_ref = next((answers[n.name]["versions"].get("image") for n in rec.nodes
-                       if n.runtime == "docker" and "versions" in answers.get(n.name, {})), None)
+                       if n.runtime == "docker" and "versions" in answers.get(n.name, {})
+                       and (only is None or n.name == only)), None)
     listed = {n.get("node_ip"): n for n in (ray_nodes or []) if n.get("state") == "ALIVE"}
     for node in rec.nodes:
         a = answers.get(node.name)
@@ -108,7 +113,7 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
         found += _clock(node, a, clocks, head.name, max_clock_offset)
         if node.gpus:
             found += _gpu(node, a)
-    return found
+    return [f for f in found if only is None or f.node == only]
 
 
 def _tls(node, tls: dict | None, min_cert_days: float) -> list[Finding]:
@@ -306,7 +311,7 @@ def ray_nodes(rec: record.ClusterRecord) -> list[dict] | None:
 
 
 def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: float,
-           min_cert_days: float = 30) -> tuple[list[Finding], dict]:
+           min_cert_days: float = 30, only: str | None = None) -> tuple[list[Finding], dict]:
     started = time.time()
     head = next(n for n in rec.nodes if n.role == "head")
     marker = f".dlc-doctor-{secrets.token_hex(6)}"
@@ -332,7 +337,7 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: floa
         ask(rec, head, {**base, "do": "mark", "text": ""}, timeout=60)
     seen = ray_nodes(rec)
     found = examine(rec, answers, seen, {k: v for k, v in clocks.items() if v}, min_free_gb,
-                    max_clock_offset, min_cert_days)
+                    max_clock_offset, min_cert_days, only)
     if seen is None:
         found.append(Finding(node=head.name, what=f"the job API at {rec.job_api} does not answer",
                              fix="make attach INVENTORY=... (it opens the tunnel), or make cluster-up"))
@@ -430,22 +435,30 @@ def main(argv: list[str] | None = None) -> None:
                     help="least days left on a node's TLS certificate for Ray (ray_tls_renew_days) [30]")
     ap.add_argument("--quarantine", action="store_true",
                     help="take each worker with a finding out of Ray (make doctor QUARANTINE=1)")
+    ap.add_argument("--config", default=None,
+                    help="the cluster record (default: $DLC_CONFIG/cluster.json, the current cluster)")
+    ap.add_argument("--node", metavar="NODE",
+                    help="name only this node's findings (all nodes are still asked: the head's "
+                         "answers are the reference); its image is not compared with the others'")
     ap.add_argument("--release", metavar="NODE",
                     help="put a quarantined node back into Ray, then stop (make release NODE=...)")
     args = ap.parse_args(argv)
     try:
-        rec = record.load()
+        rec = record.load(Path(args.config).expanduser() if args.config else None)
         if rec.kind != "ansible" or not rec.ssh_config:
             raise UserError(f"the current cluster {rec.name!r} is a local one: make doctor checks "
                             "servers brought up from an inventory (make cluster-up INVENTORY=...)")
         if args.release:
             print(f"doctor: {release(rec, args.release)}")
             return
+        if args.node and args.node not in {n.name for n in rec.nodes}:
+            raise UserError(f"--node {args.node}: no such node in the cluster {rec.name}; one of "
+                            f"{', '.join(n.name for n in rec.nodes)}")
     except UserError as e:
         print(f"doctor: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     print(f"doctor: asking the {len(rec.nodes)} nodes of {rec.name} through {rec.bastion}", flush=True)
-    found, report = doctor(rec, args.min_free_gb, args.max_clock_offset, args.min_cert_days)
+    found, report = doctor(rec, args.min_free_gb, args.max_clock_offset, args.min_cert_days, args.node)
     path = record.config_dir() / "clusters" / rec.name / REPORT
     path.write_text(json.dumps(report, indent=2) + "\n")
     for f in found:
@@ -453,8 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quarantine:
         for line in quarantine(rec, found, report):
             print(f"doctor: {line}")
-    print(f"doctor: {len(rec.nodes)} nodes, {len(found)} finding(s) in {report['seconds']} s; "
-          f"report: {path}")
+    asked = args.node or f"{len(rec.nodes)} nodes"
+    print(f"doctor: {asked}, {len(found)} finding(s) in {report['seconds']} s; report: {path}")
     sys.exit(1 if found else 0)
 
 

@@ -6,7 +6,18 @@ tests/unit/test_ansible.py covers each case.
   restart_refusal: "" when the restart may go ahead, else the one line that stops it: the node,
                    what would restart, the jobs the head named before any role ran (roles/control,
                    tasks/jobs.yml), what the restart does to them, and the way on.
+  upgrade_refusal: make upgrade's question before any change: "" when a rolling upgrade may go
+                   ahead under the jobs running now (each restarts from its checkpoint when its
+                   workers' node restarts), else the one line that stops it.
 """
+
+import shlex
+import sys
+from pathlib import Path
+
+# trainkit's flags (the standard library only): the harness's own parser and defaults
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from trainkit import flags  # noqa: E402
 
 HEAD = ("on the head it ends every job: their drivers run there and no --max-failures brings them "
         "back (submit each again with the same --name: it continues from its last checkpoint)")
@@ -16,7 +27,7 @@ WORKER = ("on a worker it stops the job's workers there: a job with --max-failur
 
 def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced) -> str:
     """`control`: hostvars['localhost'], where roles/control keeps control_running_jobs."""
-    if str(forced).lower() in ("true", "yes", "1"):
+    if _forced(forced):
         return ""
     jobs = control.get("control_running_jobs")
     if jobs is None:  # the check did not run (a --limit without localhost): fail closed
@@ -29,6 +40,53 @@ def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced) 
             f"or set dlc_restart_running_jobs: true to restart now")
 
 
+def _forced(value) -> bool:
+    return str(value).lower() in ("true", "yes", "1")
+
+
+def max_failures(entrypoint: str) -> int | None:
+    """How often a job restarts its workers from its checkpoint: its --max-failures (the harness's
+    own parser and default) for `python jobs/<job>.py ...`; None for anything else (unknown)."""
+    try:
+        argv = shlex.split(entrypoint)
+    except ValueError:
+        return None
+    at = next((i for i, w in enumerate(argv) if w.startswith("jobs/") and w.endswith(".py")), None)
+    if at is None:
+        return None
+    p = flags.parser(Path(argv[at]).stem, "", batch_size=1, epochs=1, lr=0.1, launchers=flags.LAUNCHERS)
+    try:
+        return p.parse_known_args(argv[at + 1:])[0].max_failures
+    except SystemExit:  # a flag the job itself would refuse: it is not running long
+        return None
+
+
+def upgrade_refusal(answer: dict, ray_version: str, forced) -> str:
+    """`answer`: what the head said (roles/control/files/running_jobs.py). A newer Ray cannot roll
+    (Ray's nodes all run one version); a job that would not restart from its checkpoint when Ray
+    restarts on one of its workers' nodes stops the upgrade unless forced."""
+    running = answer.get("ray_version")
+    if answer.get("ray") == "up" and running and running != ray_version:
+        return (f"the cluster runs Ray {running} and this checkout pins {ray_version}: Ray's nodes must "
+                "all run one version, so it cannot be upgraded one node at a time; with no job running, "
+                "make cluster-up restarts every node on the new Ray at once; nothing was changed")
+    if _forced(forced):
+        return ""
+    stuck = []
+    for job in answer.get("jobs") or []:
+        n = max_failures(job["entrypoint"])
+        brief = " ".join(job["entrypoint"].split())[:60]
+        if n is None:
+            stuck.append(f"{job['id']} ({brief}: not python jobs/<job>.py, whether it restarts is unknown)")
+        elif n == 0:
+            stuck.append(f"{job['id']} ({brief}: --max-failures 0)")
+    if not stuck:
+        return ""
+    return (f"make upgrade restarts Ray on each worker in turn, which stops the workers of the jobs there, "
+            f"and {len(stuck)} running job(s) would not restart from a checkpoint: {'; '.join(stuck)}; "
+            "nothing was changed: run it when they have ended, or set dlc_restart_running_jobs: true")
+
+
 class FilterModule:
     def filters(self):
-        return {"dlc_restart_refusal": restart_refusal}
+        return {"dlc_restart_refusal": restart_refusal, "dlc_upgrade_refusal": upgrade_refusal}

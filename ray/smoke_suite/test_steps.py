@@ -94,11 +94,13 @@ def test_perf(ctx: Context, details: dict):
         fail(details, "a baseline needs the allreduce step: leave --only out, or list allreduce in it")
     ref = baseline.latest(rec.name)
     base = ref[1] if ref else None
-    payload, run = job_payload(ctx, details, "perf", ["python", "ray/smoke_checks.py", "perf"],
+    only = [n for n in rec.nodes if n.name in a.nodes] if a.nodes else None  # --nodes
+    ips = ["--ips", ",".join(n.ip for n in only)] if only else []
+    payload, run = job_payload(ctx, details, "perf", ["python", "ray/smoke_checks.py", "perf", *ips],
                                "the perf job")
     nodes, found = baseline.from_payload(rec, payload)
     log(f"perf: {len(nodes)} node(s) measured in {run.seconds:.0f} s; the links, through {rec.bastion}")
-    links, more = baseline.links(rec, note=lambda m: log(f"perf: {m}"))
+    links, more = baseline.links(rec, note=lambda m: log(f"perf: {m}"), only=only)
     found += more
     now = baseline.Perf(cluster=rec.name, recorded=baseline.now_utc(), commit=baseline.commit(REPO),
                         inventory_digest=baseline.inventory_digest(rec.inventory), nodes=nodes, links=links,

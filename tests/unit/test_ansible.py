@@ -539,6 +539,28 @@ def test_a_restart_under_running_jobs_is_one_line_that_tells_what_it_does():
     assert "did not ask the head which jobs run" in closed and "nothing was restarted" in closed
 
 
+def test_an_upgrade_under_jobs_that_would_not_restart_is_one_line_first():
+    """make upgrade asks before any change: every running job must restart from its checkpoint
+    when its workers' node restarts (the harness's --max-failures, default 3), and the head's Ray
+    must be the pinned one (Ray's nodes all run one version: a new Ray cannot roll)."""
+    ok = {"ray": "up", "ray_version": "2.60.0", "jobs": [
+        {"id": "a", "entrypoint": "python jobs/ddp_autoencoder.py --num-workers 2-3 --epochs 8"},
+        {"id": "b", "entrypoint": "python  jobs/tf_cnn.py --max-failures=-1"}]}
+    assert dlc_jobs.max_failures(ok["jobs"][0]["entrypoint"]) == 3  # the harness's own default
+    assert dlc_jobs.upgrade_refusal(ok, "2.60.0", False) == ""
+    assert dlc_jobs.upgrade_refusal({"ray": "down", "state": "inactive"}, "2.60.0", False) == ""
+    stuck = {**ok, "jobs": [*ok["jobs"], {"id": "c", "entrypoint": "sleep 600"},
+                            {"id": "d", "entrypoint": "python jobs/horovod_mnist.py --max-failures 0"}]}
+    line = dlc_jobs.upgrade_refusal(stuck, "2.60.0", False)
+    assert "2 running job(s) would not restart from a checkpoint" in line, line
+    assert "c (sleep 600: not python jobs/<job>.py" in line and "d (python jobs/horovod_mnist.py " \
+        "--max-failures 0: --max-failures 0)" in line and "nothing was changed" in line
+    assert "\n" not in line and dlc_jobs.upgrade_refusal(stuck, "2.60.0", "true") == ""
+    newer = dlc_jobs.upgrade_refusal(ok, "2.61.0", True)  # forced or not: it cannot roll
+    assert newer.startswith("the cluster runs Ray 2.60.0 and this checkout pins 2.61.0") and \
+        "make cluster-up restarts every node on the new Ray at once" in newer
+
+
 def test_the_nfs_export_names_each_worker_and_no_one_else():
     """The head's export (roles/shared_storage), rendered: the path to each worker's private
     address with the options, nothing to a wildcard, a network or everyone. (The emulated nodes

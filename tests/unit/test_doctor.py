@@ -127,6 +127,29 @@ def test_versions_python_minor_and_the_image():
         "lock's versions everywhere)"]
 
 
+def test_one_nodes_findings_alone_its_image_not_compared_with_the_others():
+    """make upgrade's check (doctor --node): a second docker node still on the old image is not a
+    finding of the node just upgraded, nor of the check; the node's own problems still are."""
+    rec, answers, ray_nodes, clocks = setup()
+    four = rec.nodes[2].model_copy(update={"name": "node-4", "ip": "172.31.251.14"})
+    rec.nodes.append(four)
+    answers["node-4"] = copy.deepcopy(answers["node-3"])
+    answers["node-4"]["versions"]["image"] = "sha256:" + "0" * 64  # not yet upgraded
+    for r in ray_nodes:
+        if r["node_ip"] == rec.nodes[2].ip:
+            ray_nodes.append({**copy.deepcopy(r), "node_ip": four.ip})
+    whole = lines(rec, answers, ray_nodes, clocks)
+    assert len(whole) == 1 and whole[0].startswith("node-4: Ray runs image sha256:00000000"), whole
+    assert lines(rec, answers, ray_nodes, clocks, only="node-4") == []
+    assert lines(rec, answers, ray_nodes, clocks, only="node-3") == []
+    answers["node-4"]["versions"]["torch"] = "2.13.0"
+    answers["node-3"]["service"] = "failed"
+    assert [x.split(":")[0] for x in lines(rec, answers, ray_nodes, clocks, only="node-4")] == ["node-4"]
+    assert lines(rec, answers, ray_nodes, clocks, only="node-3") == [
+        "node-3: Ray's service dlc-ray is failed: sudo systemctl restart dlc-ray on node-3 "
+        "(journalctl -u dlc-ray says why it stopped)"]
+
+
 def test_network_and_resources():
     rec, answers, ray_nodes, clocks = setup()
     answers["node-2"]["interface"]["mtu"] = 9000

@@ -74,6 +74,16 @@ def test_sizes_from_flags():
     assert smoke.parse_args(["--only", "trainers, nodes"]).steps == ["trainers", "nodes"]
 
 
+def test_perf_for_some_nodes_only():
+    """make upgrade's check measures the node it upgraded (--nodes); a baseline measures them all."""
+    assert smoke.parse_args(["--only", "perf", "--nodes", "node-3, node-2"]).nodes == ["node-3", "node-2"]
+    assert smoke.parse_args([]).nodes is None
+    with pytest.raises(UserError, match="--nodes is empty"):
+        smoke.parse_args(["--nodes", " ,"])
+    with pytest.raises(UserError, match="a baseline measures every node and link; leave --nodes out"):
+        smoke.parse_args(["--record-baseline", "--nodes", "node-2"])
+
+
 def args(*argv):
     return smoke.parse_args(list(argv))
 

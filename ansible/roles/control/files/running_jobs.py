@@ -3,7 +3,9 @@
 usage: sudo python3 - URL TOKEN_FILE WAIT_S < running_jobs.py
 
   {"ray": "down"}                                Ray's service is not running here: no job is
-  {"ray": "up", "running": ["id (entrypoint)"]}  the job API's clean answer (maybe no job)
+  {"ray": "up", "running": ["id (entrypoint)"],  the job API's clean answer (maybe no job), with
+   "jobs": [{"id", "entrypoint"}],               each running job's whole entrypoint (make upgrade
+   "ray_version": "2.60.0"}                      asks whether it restarts) and the head's Ray
   {"error": "..."}                               anything else: the caller stops (fails closed)
 
 The token is read here, on the head, and never leaves it. While the service is up but its job
@@ -47,12 +49,20 @@ def main() -> dict:
             time.sleep(2)
     if not isinstance(jobs, list):
         return {"error": f"the job API at {url} answered something other than a list of jobs"}
-    running = []
+    running, whole = [], []
     for j in jobs:
         if j.get("status") in ("PENDING", "RUNNING"):
-            entrypoint = " ".join(str(j.get("entrypoint", "")).split())[:60]
-            running.append(f"{j.get('submission_id') or j.get('job_id')} ({entrypoint})")
-    return {"ray": "up", "running": running}
+            job_id, entrypoint = j.get("submission_id") or j.get("job_id"), str(j.get("entrypoint", ""))
+            running.append(f"{job_id} ({' '.join(entrypoint.split())[:60]})")
+            whole.append({"id": job_id, "entrypoint": entrypoint})
+    version = None
+    try:  # the dashboard's own version: what every node must run (Ray joins no other)
+        with urllib.request.urlopen(urllib.request.Request(url.replace("/api/jobs/", "/api/version"),
+                                                           headers=req.headers), timeout=10) as r:
+            version = json.loads(r.read()).get("ray_version")
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        pass
+    return {"ray": "up", "running": running, "jobs": whole, "ray_version": version}
 
 
 if __name__ == "__main__":
