@@ -756,6 +756,17 @@ def registered(emulated, name: str) -> bool:
     return False
 
 
+def elastic_run(emulated, name: str, epochs: int) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """The README's job as an elastic run (2-3 workers) in the background, its output collected in
+    `lines` by `reader` as it comes."""
+    proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", str(epochs), "--limit", "1500",
+                  "--image-size", "60x80", "--batch-size", "16", background=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    return proc, lines, reader
+
+
 def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
     """`docker kill` a worker node mid-epoch 2 of an elastic run: the run finishes on the two nodes
     left, from epoch 1's checkpoint; the node comes back and its Ray rejoins by itself. Run with
@@ -763,11 +774,7 @@ def test_a_node_killed_mid_run_costs_a_restart_not_the_run(emulated):
     name = f"killed-{int(time.time())}"
     # 6 epochs, the kill after the second: on a slow machine the epoch-2 line can arrive late
     # (a CI run killed the node after the last epoch, so no epoch ran on the nodes left)
-    proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", "6", "--limit", "1500",
-                  "--image-size", "60x80", "--batch-size", "16", background=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, lines, reader = elastic_run(emulated, name, 6)
     # epoch 2 under way: epoch 1's checkpoint is committed (not only written: Ray restarts from
     # scratch when a node dies between rank 0's upload and the controller's commit)
     deadline = time.time() + 600
@@ -1509,11 +1516,7 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     assert old[0] == old[1] == image_id("dlcluster:cpu")
     pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    job = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", "5", "--limit", "1500",
-                 "--image-size", "60x80", "--batch-size", "16", background=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
-    reader.start()
+    job, lines, reader = elastic_run(emulated, name, 5)
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
         assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
