@@ -759,8 +759,8 @@ def registered(emulated, name: str) -> bool:
 def elastic_run(emulated, name: str, epochs: int) -> tuple[subprocess.Popen, list[str], threading.Thread]:
     """The README's job as an elastic run (2-3 workers) in the background, its output collected in
     `lines` by `reader` as it comes."""
-    proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", str(epochs), "--limit", "1500",
-                  "--image-size", "60x80", "--batch-size", "16", background=True)
+    proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", str(epochs),
+                  "--limit", "1500", "--image-size", "60x80", "--batch-size", "16", background=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
