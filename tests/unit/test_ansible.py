@@ -120,6 +120,41 @@ def _run_playbook_check(inventory: str, playbook: str) -> subprocess.CompletedPr
     )
 
 
+ORDER_PLAY = """\
+- hosts: ray_nodes
+  gather_facts: false
+  vars_files: [{ansible}/roles/dlc/defaults/main.yml, {ansible}/roles/shared_storage/vars/main.yml]
+  tasks:
+    - ansible.builtin.set_fact:
+        dlc_node_ip: "{{{{ dlc_node_ip }}}}"
+    - run_once: true
+      ansible.builtin.debug:
+        msg: "NODES={{{{ dlc_nodes | join(',') }}}} CLIENTS={{{{ shared_storage_clients | join(',') }}}}"
+"""
+
+
+def test_the_node_lists_keep_the_inventorys_order_whatever_the_hash_seed(tmp_path):
+    """dlc_nodes (the record, /etc/hosts, the proxy's clients) and the NFS clients come out in the
+    inventory's order in every run: Ansible's `difference` goes through a set, whose order changes
+    with Python's hash seed from one run to the next (a record that differed between cluster-up
+    and attach; files rewritten by every run)."""
+    play = tmp_path / "order.yml"
+    play.write_text(ORDER_PLAY.format(ansible=ANSIBLE))
+    inventory = str(ANSIBLE / "inventories/emulated/hosts.yml")
+    seen = set()
+    for seed in ("1", "3"):
+        env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+               "HOME": str(Path.home()), "PYTHONHASHSEED": seed, "DLC_CONFIG": str(tmp_path)}
+        for extra in ([], ["-e", "dlc_remove_node=node-2"]):
+            argv = [str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i", inventory, str(play), *extra]
+            proc = subprocess.run(argv, cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
+            found = re.search(r"NODES=(\S*) CLIENTS=(\S*)", proc.stdout)
+            assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+            seen.add(found.groups())
+    assert seen == {("node-1,node-2,node-3", "172.31.251.12,172.31.251.13"),
+                    ("node-1,node-3", "172.31.251.13")}
+
+
 @pytest.mark.parametrize("inventory", ["inventories/example/hosts.yml", "inventories/emulated/hosts.yml"])
 @pytest.mark.parametrize("playbook", sorted(p.name for p in ANSIBLE.glob("cluster-*.yml")))
 def test_playbooks_parse_with_each_inventory(inventory, playbook):
