@@ -1527,7 +1527,6 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
         proc = upgrade(inventory("dlcluster:cpu-next"), ansible="-e ray_upgrade_drain_timeout=10")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         assert "upgrade: cluster emulated runs what" in proc.stdout
-        assert "node-3 still runs work after 10 s: its Ray restarts now" in proc.stdout, proc.stdout[-3000:]
         assert job.poll() is None, "the job ended before node-3 was upgraded: give it more epochs"
         job.wait(timeout=1200)
     finally:
