@@ -1472,6 +1472,106 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         run(["docker", "rm", "-f", "dlc-emu-node-4"], emulated.env, timeout=120)
 
 
+def image_id(tag: str) -> str:
+    return run(["/usr/bin/docker", "image", "inspect", "--format", "{{.Id}}", tag], dict(os.environ),
+               check=True).stdout.strip()
+
+
+def build_image(tag: str, dockerfile: str) -> None:
+    """A small image on top of the project's, built from a Dockerfile on stdin (FROM a local image:
+    nothing is pulled)."""
+    subprocess.run(["/usr/bin/docker", "build", "-q", "-t", tag, "-"], input=dockerfile, text=True,
+                   env={**os.environ, "DOCKER_BUILDKIT": "0"}, check=True, capture_output=True, timeout=300)
+
+
+def node3_image(emulated) -> tuple[str, str]:
+    """What node-3 records as the image Ray runs, and the image of Ray's running container."""
+    recorded = emulated.ssh("node-3", "cat", "/etc/dlcluster/image").stdout.strip()
+    running = emulated.ssh("node-3", "sudo", "docker", "inspect", "--format", "{{.Image}}", "dlc-ray")
+    return recorded, running.stdout.strip()
+
+
+def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(emulated, tmp_path):
+    """make upgrade to an image built from a later commit while an elastic job runs: only node-3
+    (the docker node) changes: it is drained, restarted on the new image, checked and let back in;
+    node-1 and node-2 keep their Ray processes; the job finishes with a verified model. Then an image
+    whose `ray` cannot start: node-3 does not rejoin, goes back to the previous image by id, and the
+    run stops with one line. Then the original image again, with no job running: the perf step
+    checks node-3 against its baseline."""
+    build_image("dlcluster:cpu-next", f"FROM dlcluster:cpu\nLABEL dlc.upgrade={time.time_ns()}\n")
+    build_image("dlcluster:cpu-broken", "FROM dlcluster:cpu\nUSER root\nRUN printf '#!/bin/sh\\n"
+                "echo broken on purpose >&2\\nexit 1\\n' > /opt/venv/bin/ray\nUSER 1000\n")
+
+    def inventory(tag: str) -> Path:
+        text = EMULATED.replace("          dlc_image: dlcluster:cpu\n", f"          dlc_image: {tag}\n", 1)
+        assert text != EMULATED
+        folder = tmp_path / tag.replace(":", "-")
+        folder.mkdir()
+        return _inventory(folder, "emulated", text)  # the same cluster (its folder's name)
+
+    def upgrade(inv: Path, *, smoke: str = "", ansible: str = "") -> subprocess.CompletedProcess:
+        env = {**emulated.env, "INVENTORY": str(inv), "SMOKE_ARGS": smoke, "ANSIBLE_ARGS": ansible}
+        t0 = time.time()
+        proc = run(["make", "--no-print-directory", "upgrade"], env, timeout=1500)
+        print(f"make upgrade with {inv}: {time.time() - t0:.0f} s, exit {proc.returncode}")
+        print(proc.stdout[-3000:], proc.stderr[-2000:])
+        return proc
+
+    old = node3_image(emulated)
+    assert old[0] == old[1] == image_id("dlcluster:cpu")
+    pids = ray_pids(emulated)
+    name = f"upgraded-{int(time.time())}"
+    job, lines, reader = elastic_run(emulated, name, 10)
+    deadline = time.time() + 600
+    while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
+        assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
+        time.sleep(1)
+    try:
+        # the job's workers on node-3 get 10 s to end, then restart from the checkpoint
+        proc = upgrade(inventory("dlcluster:cpu-next"), ansible="-e ray_upgrade_drain_timeout=10")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "upgrade: cluster emulated runs what" in proc.stdout
+        assert job.poll() is None, "the job ended before node-3 was upgraded: give it more epochs"
+        job.wait(timeout=1200)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=30)
+    out = "".join(lines)
+    assert job.returncode == 0 and "succeeded" in out, out[-3000:]
+    m = published(emulated, name)
+    assert m["metrics"]["epoch"] == 10 and m["parity"]["max_abs_diff"] <= 1e-4, m
+    assert m["restarts"]["count"] >= 1, m["restarts"]  # its workers on node-3 were stopped
+    print(f"the job under the upgrade: {m['restarts']} , world size {m['world_size']}")
+    new = image_id("dlcluster:cpu-next")
+    assert node3_image(emulated) == (new, new)
+    after = ray_pids(emulated)
+    assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
+    assert after["node-3"] != pids["node-3"]
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+    # an image whose Ray cannot start: node-3 back on the image it ran, the others untouched
+    pids = ray_pids(emulated)
+    proc = upgrade(inventory("dlcluster:cpu-broken"), ansible="-e ray_join_timeout=45")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert ("node-3: upgraded, then its check failed (its Ray did not join the head within 45 s after the "
+            f"restart): rolled back to its previous image {new[:19]}, back in Ray; the nodes after it were "
+            "not upgraded") in last, proc.stderr[-3000:]
+    assert node3_image(emulated) == (new, new)
+    after = ray_pids(emulated)
+    assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
+    assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+
+    # back to the image the tier began with, no job running: the perf step checks node-3 (its
+    # CPU step against the baseline; this machine's 2 cores are shared by all three nodes)
+    proc = upgrade(INVENTORY, smoke="--max-step-slowdown 2 --min-storage-fraction 0.05")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "[smoke] perf: 1 node(s) measured" in proc.stdout, proc.stdout[-3000:]
+    assert node3_image(emulated) == old
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+
 def test_the_token_and_the_push_password_are_never_printed(emulated):
     """After everything above (cluster-up, jobs, faults, smoke, rotate-token, doctor): the token is
     in no file under the config folder but its own, in no Ray log on any node and in no node's
