@@ -198,7 +198,16 @@ def check_storage(storage_path: str, timeout: float = 60) -> None:
         probes = {n["NodeManagerAddress"]: sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             n["NodeID"], soft=False)).remote(str(marker)) for n in alive}
         ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
-        blind = sorted(ip for ip, ref in probes.items() if ref not in ready or not ray.get(ref))
+
+        def blind_there(ref) -> bool:
+            if ref not in ready:
+                return True
+            try:
+                return not ray.get(ref)
+            except (ray.exceptions.TaskUnschedulableError, ray.exceptions.NodeDiedError):
+                return False  # the node left Ray after it was listed: not one of the run's
+
+        blind = sorted(ip for ip, ref in probes.items() if blind_there(ref))
         if blind:
             raise UserError(f"--storage-path {storage_path} is not shared: node(s) {', '.join(blind)} "
                             "do not see it; use storage every node mounts (the cluster's "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainkit.cluster import check_batch, plan_workers, worker_python
+from trainkit.cluster import check_batch, check_storage, plan_workers, worker_python
 from trainkit.errors import UserError
 
 
@@ -96,3 +96,26 @@ def test_tf_workers_run_the_interpreter_their_node_names(tmp_path, monkeypatch):
     # a job submitted with its own py_executable keeps it
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"py_executable": "python -X dev"}}')
     assert worker_python("DLC_TF_PYTHON") is None
+
+
+def test_a_node_gone_after_the_storage_check_listed_it_is_not_named_blind(tmp_path, monkeypatch):
+    """check_storage lists the alive nodes, then probes each: a node that leaves Ray in between (here
+    really removed from a real two-node Ray, the listing taken before) is no reason to fail the run
+    (it did: Ray's TaskUnschedulableError, once in the emulated tier after a node was taken away)."""
+    from ray.cluster_utils import Cluster
+
+    import ray
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    gone = cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        listed = ray.nodes()
+        assert sum(n["Alive"] for n in listed) == 2
+        cluster.remove_node(gone)
+        monkeypatch.setattr(ray, "nodes", lambda: listed)  # the moment between listing and probing
+        check_storage(str(tmp_path / "runs"), timeout=30)  # the head sees it: nothing to name
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
