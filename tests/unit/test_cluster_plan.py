@@ -102,11 +102,9 @@ def test_a_node_gone_after_the_storage_check_listed_it_is_not_named_blind(tmp_pa
     """check_storage lists the alive nodes, then probes each: a node that leaves Ray in between (here
     really removed from a real two-node Ray, the listing taken before) is no reason to fail the run
     (it did: Ray's TaskUnschedulableError, once in the emulated tier after a node was taken away)."""
-    from ray.cluster_utils import Cluster
+    import ray.cluster_utils
 
-    import ray
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     gone = cluster.add_node(num_cpus=1)
     try:
         ray.init(address=cluster.address)
