@@ -22,6 +22,8 @@
 #                                     toolkit Horovod otherwise decides to build GPU ops and stops
 #                                     at "Could NOT find CUDAToolkit"; no stock variable turns
 #                                     that off.
+# and one header: horovod/common/group_table.h includes <string> and <cstdint> (GCC 13, the GPU
+# machine's compiler, no longer brings them in through <queue>).
 # A compile takes 4-15 minutes on 2 cores, so the wheel is cached under
 # $DLC_CACHE/wheels/<key>/ with its build log, where the key is Horovod's
 # version + torch's version + Python's version + the patch's sha256 + the flavour; VENV/.horovod-key

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tier on a bare GPU machine (its own Python and torch, no Ray, no network), from what
-# scripts/stage_gpu.sh staged: the staged wheels go into a temporary site, Horovod is compiled for
-# NCCL against this machine's torch and CUDA (for its GPU's architecture only), then tests/gpu
-# runs. Logs and the pipeline benchmark's JSON go to $OUT when set (else /tmp/dlc-gpu-out).
+# scripts/stage_gpu.sh staged: the staged wheels go into a temporary site; the tests that need no
+# Horovod run first (so a slow or failed compile costs none of their results); then Horovod is
+# compiled for NCCL against this machine's torch and CUDA (for its GPU's architecture only) and
+# its tests run. Logs go to $OUT when set (else /tmp/dlc-gpu-out); the exit status is nonzero
+# when either pytest run failed.
 #
 #   usage: scripts/gpu_tier.sh [DIR] [pytest args...]     DIR: default .gpu-stage
 #   GPU_PYTHON=python3   the Python environment that holds torch
@@ -23,6 +25,12 @@ site=$(mktemp -d /tmp/dlc-gpu-site.XXXXXX)
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH
 export DLC_HOME=${DLC_HOME:-/tmp/dlc-gpu-home} DLC_CACHE=${DLC_CACHE:-/tmp/dlc-gpu-cache}
 
+set -o pipefail
+tier() { "$py" -m pytest tests/gpu -v -s -p no:cacheprovider "$@" 2>&1 | tee -a "$out/gpu-tier.log"; }
+status=0
+echo "gpu-tier: the tests that need no Horovod"
+tier -k "not horovod" "$@" || status=$?
+
 # Horovod with NCCL, built here (a wheel built elsewhere does not load against this torch)
 mkdir -p "$DLC_CACHE/wheels/src"
 . ./versions.env
@@ -31,11 +39,15 @@ prefix=$("$py" -c 'import sys; print(sys.prefix)')
 cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 if wheel=$(HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=$cc scripts/build_horovod.sh --wheel-only "$prefix" \
            2>"$out/horovod-build.err" | tail -n 1); then
-  "$py" -m pip install -q --no-index --no-deps --target "$site" "$wheel"
+  # a site of its own: into $site, whose bin/ the staged wheels made, pip would not put horovodrun
+  hvd_site=$(mktemp -d /tmp/dlc-gpu-horovod.XXXXXX)
+  "$py" -m pip install -q --no-index --no-deps --target "$hvd_site" "$wheel"
+  export PYTHONPATH=$hvd_site:$PYTHONPATH PATH=$hvd_site/bin:$PATH
   echo "gpu-tier: Horovod (NCCL, sm_$cc) from $wheel"
 else
   echo "gpu-tier: Horovod did not build (see $out/horovod-build.err); its tests will be skipped"
 fi
 
-set -o pipefail
-"$py" -m pytest tests/gpu -v -s -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-tier.log"
+echo "gpu-tier: Horovod's tests"
+tier -k horovod "$@" || status=$?
+exit "$status"
