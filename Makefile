@@ -18,6 +18,8 @@ OBJECT_STORE_MB ?= 512
 RAY_PORT        ?= 6379
 # dashboard + job API (127.0.0.1 only)
 DASHBOARD_PORT  ?= 8265
+# an Ansible cluster's Prometheus, at this port of 127.0.0.1 (the tunnel's other forward)
+METRICS_PORT    ?= 9090
 # job that `make submit` runs (jobs/$(JOB).py)
 JOB             ?= ddp_autoencoder
 # extra flags for that job
@@ -51,7 +53,7 @@ ifneq ($(filter $(CURDIR)/%,$(abspath $(DLC_CONFIG))/),)
 $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files travel with every job; set it outside, e.g. DLC_CONFIG=$(HOME)/.config/dlcluster)
 endif
 
-export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT \
+export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT METRICS_PORT \
        INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD RUN
 VENV := .venv
 PY   := $(VENV)/bin/python

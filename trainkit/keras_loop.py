@@ -26,6 +26,7 @@ from . import launch
 from .errors import UserError
 from .flags import UseGpu
 from .job import Job, JobConfig, Run
+from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
 
@@ -208,4 +209,5 @@ class EpochReport(_Callback):
         check = check_replicas_agree(self.world.gather(describe_rank(self.model.get_weights())))
         if self.world.rank == 0:
             say_epoch(self.job.name, epoch + 1, self.run.epochs, metrics)
+            export_epoch(self.job.name, self.run.name, metrics, self.run.attempts)
         self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)

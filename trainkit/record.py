@@ -73,6 +73,9 @@ class ClusterRecord(BaseModel):
     kind: Literal["local", "ansible"]
     job_api: str = Field(description="http://HOST:PORT where this client reaches Ray's job API "
                                      "(for a remote cluster: the local end of the ssh tunnel)")
+    metrics_url: str | None = Field(None, description="http://HOST:PORT where this client reaches "
+                                                    "the cluster's Prometheus (the tunnel's local end); "
+                                                    "null where the cluster has none")
     token_path: str = Field(description="absolute path of the Ray token file on this client")
     nodes: list[Node] = Field(min_length=1, description="the nodes, exactly one of them the head")
     ssh_config: str | None = Field(None, description="ssh config whose node entries ProxyJump "
@@ -81,9 +84,11 @@ class ClusterRecord(BaseModel):
     storage: str | None = Field(None, description="shared storage path on the nodes")
     inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
 
-    @field_validator("job_api")
+    @field_validator("job_api", "metrics_url")
     @classmethod
-    def _api(cls, v: str) -> str:
+    def _api(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         u = urlparse(v)
         try:
             port = u.port

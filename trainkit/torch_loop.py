@@ -21,6 +21,7 @@ from . import launch
 from .errors import UserError
 from .flags import UseGpu
 from .job import Job, JobConfig, Run
+from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
 from .timing import PhaseTimer
@@ -241,6 +242,7 @@ class TorchJob(Job):
                 p.detach().cpu().numpy() for p in model.state_dict().values())))
             if world.rank == 0:
                 say_epoch(self.name, epoch + 1, run.epochs, metrics)
+                export_epoch(self.name, run.name, metrics, run.attempts)
 
             store.save(epoch + 1, metrics, lambda folder: torch.save(
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),

@@ -25,7 +25,8 @@ PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
          "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port",
-         "dlc_registry_port", "dlc_registry_push_port", "docker_push_port")
+         "dlc_registry_port", "dlc_registry_push_port", "docker_push_port", "dlc_prometheus_port",
+         "metrics_node_exporter_port")
 # `ray start` flags (a list, one item per argument): each item is quoted where it is used (the
 # unit's ExecStart, the container's shell), so JSON such as '{"nvme": 1}' stays one argument; no
 # quote, `$`, `%`, backslash or line break, which systemd or the shell would still read

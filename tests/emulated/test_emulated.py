@@ -25,6 +25,7 @@ import tarfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, INVENTORY, NODES, PORT, REPO, recap, run
+from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, INVENTORY, METRICS_PORT, NODES, PORT, REPO, recap, run
 
 from trainkit import baseline, record
 
@@ -465,6 +466,31 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
     head = run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
     assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
+    # Prometheus on the head, through the same tunnel (the record names it): every node's exporter
+    # and Ray metrics up, and the run's training samples/s there by its name, as the job measured it
+    metrics = record.load(emulated.config / record.RECORD).metrics_url
+    assert metrics == f"http://127.0.0.1:{METRICS_PORT}"
+    up = wait_for_query(metrics, "up", lambda r: len(r) == 7 and all(s["value"][1] == "1" for s in r))
+    assert sorted((s["metric"]["job"], s["metric"]["node"]) for s in up) == sorted(
+        [("prometheus", "node-1")] + [(job, n) for job in ("node", "ray") for n in NODES])
+    measured = manifest["metrics"]["samples_per_s"]
+    query = f'max_over_time(ray_dlc_train_samples_per_second{{run="{name}"}}[30m])'
+    (series,) = wait_for_query(metrics, query, lambda r: len(r) == 1)
+    assert series["metric"]["dlc_job"] == "ddp_autoencoder"
+    assert abs(float(series["value"][1]) - measured) <= 0.2 * measured, (series, measured)
+
+
+def wait_for_query(url: str, query: str, done, timeout: float = 90) -> list[dict]:
+    """Prometheus' answer to an instant query, once `done(result)` holds (scrapes come every 5 s)."""
+    deadline, result = time.time() + timeout, None
+    while time.time() < deadline:
+        with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": query}),
+                                    timeout=10) as r:
+            result = json.loads(r.read())["data"]["result"]
+        if done(result):
+            return result
+        time.sleep(2)
+    raise AssertionError(f"Prometheus at {url}: {query} gave {result} after {timeout} s")
 
 
 def ray_pids(emulated) -> dict[str, str]:
@@ -504,7 +530,7 @@ def operator(emulated, tmp_path: Path, name: str, port: int) -> dict:
     config = tmp_path / name
     shutil.copytree(emulated.config / "emulated", config / "emulated")  # the key the inventory names
     return {**emulated.env, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(port),
-            "INVENTORY": str(INVENTORY)}
+            "METRICS_PORT": str(port + 1000), "INVENTORY": str(INVENTORY)}
 
 
 def close_tunnel(env: dict) -> None:

@@ -100,6 +100,8 @@ def ansible_template(**facts) -> dict:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/control/templates"),
                              undefined=jinja2.StrictUndefined)
     env.filters["to_nice_json"] = lambda v: json.dumps(v, indent=4, sort_keys=True)
+    env.filters["bool"] = bool
+    env.filters["ternary"] = lambda v, yes, no: yes if v else no
     return json.loads(env.get_template("cluster.json.j2").render(**facts))
 
 
@@ -120,12 +122,16 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
     cluster_dir = f"{tmp_path}/clusters/{inventory}"
     data = ansible_template(
         dlc_cluster_name=inventory, ansible_inventory_sources=[f"/x/{inventory}/hosts.yml"],
-        dlc_tunnel_port=8265, dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
+        dlc_tunnel_port=8265, dlc_metrics=True, dlc_metrics_tunnel_port=9090,
+        control_prometheus={"status": 200 if inventory == "emulated" else -1},
+        dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
         groups=groups, dlc_shared_storage_path="/srv/dlcluster",
         control_nodes_record=nodes)
     jsonschema.validate(data, record.ClusterRecord.model_json_schema())
     r = record.ClusterRecord.model_validate(data)
     assert (r.kind, r.bastion, len(r.nodes)) == ("ansible", groups["bastions"][0], len(nodes))
+    # the metrics URL where Prometheus answered through the tunnel, else none
+    assert r.metrics_url == ("http://127.0.0.1:9090" if inventory == "emulated" else None)
 
 
 def test_the_command_line(tmp_path):

@@ -1,0 +1,175 @@
+"""The harness's training metrics: exported through a real Ray's metrics agent, and nothing (and
+no error) outside Ray."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EPOCH = {"samples_per_s": 123.5, "epoch": 2, "loss": 0.25, "val_loss": 0.5, "world_size": 2,
+         "dataflow_s": 1.5, "processing_s": 3.0, "epoch_s": 5.0, "device": "cpu"}
+
+
+def test_outside_ray_nothing_is_exported_and_training_goes_on():
+    code = ("import sys; from trainkit.metrics import export_epoch; "
+            f"sys.exit(0 if export_epoch('ddp_autoencoder', 'r', {EPOCH!r}) is False else 1)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def series(text: str, name: str) -> dict[tuple, float]:
+    """{(sorted label pairs without Ray's own): value} of one metric in Prometheus' text format."""
+    out = {}
+    for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        ours = ("run", "dlc_job", "phase", "metric")
+        out[tuple(sorted((k, v) for k, v in labels.items() if k in ours))] = float(m.group(2))
+    return out
+
+
+def test_an_epochs_metrics_reach_rays_metrics_agent():
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        @ray.remote
+        def epoch():
+            from trainkit.metrics import export_epoch
+
+            return export_epoch("ddp_autoencoder", "run-1", EPOCH)
+
+        assert ray.get(epoch.options(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}).remote())
+        port = ray.nodes()[0]["MetricsExportPort"]
+        deadline, text = time.time() + 60, ""
+        while time.time() < deadline and "ray_dlc_train_phase_seconds" not in text:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            time.sleep(1)
+    finally:
+        ray.shutdown()
+    run = (("dlc_job", "ddp_autoencoder"), ("run", "run-1"))
+    assert series(text, "ray_dlc_train_samples_per_second") == {run: 123.5}, text[-2000:]
+    assert series(text, "ray_dlc_train_first_epoch_samples_per_second") == {run: 123.5}
+    assert series(text, "ray_dlc_train_epoch") == {run: 2.0}
+    # the job's own metrics by name; the harness's counters (world_size, device) are not among them
+    assert series(text, "ray_dlc_train_value") == {
+        tuple(sorted((*run, ("metric", "loss")))): 0.25, tuple(sorted((*run, ("metric", "val_loss")))): 0.5}
+    assert series(text, "ray_dlc_train_phase_seconds") == {
+        tuple(sorted((*run, ("phase", p)))): v for p, v in
+        (("dataflow", 1.5), ("processing", 3.0), ("epoch", 5.0))}
+
+
+# ---- the metrics role's Prometheus configuration and alert rules, rendered by Ansible itself
+
+ANSIBLE = REPO / "ansible"
+RENDER_PLAY = """
+- hosts: ray_nodes
+  connection: local
+  gather_facts: false
+  vars_files: [{a}/roles/dlc/defaults/main.yml, {a}/roles/ray/defaults/main.yml,
+               {a}/roles/metrics/defaults/main.yml]
+  tasks:
+    - ansible.builtin.set_fact:
+        dlc_node_ip: "{{{{ dlc_node_ip }}}}"
+    - ansible.builtin.template:
+        src: {a}/roles/metrics/templates/{{{{ item }}}}.j2
+        dest: "{out}/{{{{ item }}}}"
+        mode: "0644"
+      loop: [prometheus.yml, dlc-alerts.yml]
+      when: inventory_hostname == groups['ray_head'][0]
+"""
+
+
+def render(inventory: str, out: Path) -> None:
+    play = out / "render.yml"
+    play.write_text(RENDER_PLAY.format(a=ANSIBLE, out=out))
+    env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "HOME": str(Path.home()),
+           "DLC_CONFIG": str(out)}
+    proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i",
+                           str(ANSIBLE / "inventories" / inventory / "hosts.yml"), str(play)],
+                          cwd=ANSIBLE, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "scripts/promtool.sh"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for inventory in ("example", "emulated"):
+        out[inventory] = tmp_path_factory.mktemp(inventory)
+        render(inventory, out[inventory])
+    return out
+
+
+@pytest.mark.parametrize("inventory", ["example", "emulated"])
+def test_the_scrape_configuration_and_rules_pass_prometheus_own_checker(rendered, inventory):
+    checked = promtool("check", "config", str(rendered[inventory] / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 7 rules found" in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+    config = yaml.safe_load((rendered[inventory] / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j["static_configs"] for j in config["scrape_configs"]}
+    hosts = yaml.safe_load((ANSIBLE / "inventories" / inventory / "hosts.yml").read_text())["all"]
+    nodes = [h for g in ("ray_head", "ray_workers") for h in hosts["children"][g]["hosts"]]
+    # every node's exporter and Ray metrics, each labelled with the node's name
+    for job, port in (("node", 9100), ("ray", 8080)):
+        assert [c["labels"]["node"] for c in jobs[job]] == nodes
+        assert all(c["targets"][0].endswith(f":{port}") for c in jobs[job])
+
+
+ALERT_TESTS = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'up{{job="node", node="node-2"}}'
+        values: '1 0 0 0 0'
+      - series: 'up{{job="node", node="node-1"}}'
+        values: '1 1 1 1 1'
+      - series: 'node_filesystem_size_bytes{{node="node-1", mountpoint="{storage}", fstype="nfs"}}'
+        values: '100 100 100 100 100'
+      - series: 'ray_dlc_train_samples_per_second{{{run}}}'
+        values: '100 100 40 40 40 40 40 40 40'
+      - series: 'ray_dlc_train_first_epoch_samples_per_second{{{run}}}'
+        values: '100 100 100 100 100 100 100 100 100'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: NodeExporterDown
+        exp_alerts:
+          - exp_labels: {{severity: critical, job: node, node: node-2}}
+            exp_annotations:
+              summary: "node-2: its node exporter does not answer (the node is down, or the exporter is)"
+      - eval_time: 4m
+        alertname: SharedStorageUnreachable
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: RunSlowedDown
+        exp_alerts:
+          - exp_labels: {{severity: warning, run: r, dlc_job: ddp_autoencoder, job: ray, node: node-1}}
+            exp_annotations:
+              summary: "run r (ddp_autoencoder): 40 samples/s, under 50 % of its first epoch's"
+      - eval_time: 8m
+        alertname: DiskAlmostFull
+        exp_alerts: []
+"""
+
+
+def test_the_alert_rules_fire_on_what_they_name_and_not_otherwise(rendered, tmp_path):
+    """promtool's rule tests: a node's exporter gone for 2 minutes, a run at 40 % of its first
+    epoch's samples/s for 5; the shared storage mounted and no disk full: nothing."""
+    tests = tmp_path / "alerts_test.yml"
+    tests.write_text(ALERT_TESTS.format(rules=rendered["emulated"] / "dlc-alerts.yml",
+                                        storage="/srv/dlcluster",
+                                        run='run="r", dlc_job="ddp_autoencoder", job="ray", node="node-1"'))
+    checked = promtool("test", "rules", str(tests))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
