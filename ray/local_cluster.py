@@ -10,6 +10,11 @@ $DLC_CONFIG/clusters/local/ray_token (mode 0600, outside git). `down` stops only
 this cluster started (found by its temp dirs), never other Ray clusters on the host (`ray stop`
 would kill them all).
 
+Where a `prometheus` binary is on PATH (e.g. the distribution's package), `up` also runs one as
+this user on 127.0.0.1:METRICS_PORT, scraping every node's Ray metrics (Ray's own and the jobs'
+training metrics) through the service-discovery file Ray writes in the head's temp dir; its data
+lives in the temp root and goes with `down`. Without one, a line says how to get it.
+
 `up` writes the cluster record (trainkit/record.py) to $DLC_CONFIG/clusters/local/ and makes it
 current ($DLC_CONFIG/cluster.json, ray-client.env): kind "local", ip null for every node (Ray
 shows the host's address for all of them), no ssh_config or bastion. `down` removes the current
@@ -29,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # trainkit: ray/ is a folder of scripts
@@ -70,7 +77,7 @@ def the_record(st: dict) -> record.ClusterRecord:
                          role="head" if i == 0 else "worker", cpus=st["cpus_per_node"], gpus=0)
              for i in range(st["nodes"])]
     return record.ClusterRecord(name="local", kind="local", job_api=st["dashboard"],
-                                token_path=str(token()), nodes=nodes)
+                                metrics_url=st.get("metrics"), token_path=str(token()), nodes=nodes)
 
 
 def forget(st: dict) -> None:
@@ -183,6 +190,56 @@ def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], logs: str,
         ray.shutdown()
 
 
+PROMETHEUS_CONFIG = """\
+# written by ray/local_cluster.py: every node's Ray metrics, from the file Ray keeps on the head
+global:
+  scrape_interval: 5s
+scrape_configs:
+  - job_name: ray
+    file_sd_configs:
+      - files: [{sd}]
+"""
+
+
+def start_prometheus(temp_root: str, port: int) -> str | None:
+    """Prometheus over this cluster's nodes, as this user, on 127.0.0.1:port; its URL, or None
+    (with one line saying why). Its command line names the temp root: `down` stops it with the rest."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        print("metrics: no prometheus on PATH, so no Prometheus for the local cluster (apt-get install "
+              "prometheus, or put its binary on PATH, then make cluster-down cluster-up); an Ansible "
+              "cluster's head runs one (docs/metrics.md)")
+        return None
+    if port_in_use(port):
+        print(f"metrics: port {port} (METRICS_PORT) is in use on {HOST}: no Prometheus for the local "
+              f"cluster; set METRICS_PORT to a free port")
+        return None
+    folder = Path(temp_root) / "prometheus"
+    folder.mkdir()
+    config = folder / "prometheus.yml"
+    config.write_text(PROMETHEUS_CONFIG.format(
+        sd=json.dumps(f"{temp_root}/head/prom_metrics_service_discovery.json")))
+    with open(folder / "prometheus.log", "wb") as log:
+        subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={folder}/data",
+                          f"--web.listen-address={HOST}:{port}"], stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://{HOST}:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+                if r.status == 200:
+                    print(f"metrics: Prometheus at {url} (its graph, /targets), over every node's "
+                          "Ray metrics")
+                    return url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    print(f"metrics: Prometheus did not start within 30 s (see {folder}/prometheus.log); the cluster "
+          f"runs without it")
+    return None
+
+
 def up(a: argparse.Namespace) -> None:
     if state_file().exists():
         st = json.loads(state_file().read_text())
@@ -226,6 +283,8 @@ def up(a: argparse.Namespace) -> None:
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
+    state["metrics"] = start_prometheus(temp_root, a.metrics_port)
+    state_file().write_text(json.dumps(state, indent=2) + "\n")
     written = the_record(state).write(CONFIG)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
     print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
@@ -302,6 +361,7 @@ def main() -> None:
     u.add_argument("--object-store-mb", **make_var("OBJECT_STORE_MB", 512, 78))
     u.add_argument("--port", **make_var("RAY_PORT", 6379, 1024, 65535))
     u.add_argument("--dashboard-port", **make_var("DASHBOARD_PORT", 8265, 1024, 65535))
+    u.add_argument("--metrics-port", **make_var("METRICS_PORT", 9090, 1024, 65535))
     sub.add_parser("down", help="stop the nodes `up` started")
     sub.add_parser("status", help="nodes and resources")
     a = p.parse_args()

@@ -78,9 +78,20 @@ class LocalCluster:
             return dict(zip(cases, procs, strict=True))
 
 
+def prometheus_bin_dir() -> str | None:
+    """The folder of the distribution's prometheus binary (scripts/promtool.sh unpacks it), put on
+    the local cluster's PATH so that it runs one; None where it cannot be had."""
+    proc = subprocess.run([str(REPO / "scripts/promtool.sh"), "--bin-dir"], capture_output=True,
+                          text=True, timeout=300)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def start_cluster(config: Path, port: int, dashboard_port: int, nodes: int) -> LocalCluster:
     env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": str(port),
-           "DASHBOARD_PORT": str(dashboard_port), "NODES": str(nodes), "CPUS_PER_NODE": "1"}
+           "DASHBOARD_PORT": str(dashboard_port), "NODES": str(nodes), "CPUS_PER_NODE": "1",
+           "METRICS_PORT": str(dashboard_port + 1000)}
+    if prometheus := prometheus_bin_dir():
+        env["PATH"] = f"{prometheus}:{env['PATH']}"
     env.pop("RAY_ADDRESS", None)
     c = LocalCluster(config, dashboard_port, f"127.0.0.1:{port}", env)
     c.script("up")

@@ -12,7 +12,8 @@ from conftest import ray_noise, read_manifest
 from ddp_autoencoder import AutoEncoder
 from PIL import Image
 
-from trainkit import data
+from tests.promql import wait_for_query
+from trainkit import data, record
 
 JOB = "ddp_autoencoder"
 TINY = ["--image-size", "40x60", "--batch-size", "8", "--num-workers", "2"]
@@ -71,6 +72,24 @@ def test_trains_on_two_nodes_and_exports_verified_onnx(storage, trained):
     model.load_state_dict(torch.load(storage / "e2e" / last / "state.pt", map_location="cpu")["model"])
     with torch.no_grad():
         np.testing.assert_allclose(y, model(torch.from_numpy(x)).numpy(), atol=1e-4)
+
+
+def test_the_local_clusters_prometheus_has_the_runs_samples_per_second(cluster, trained, storage):
+    """make cluster-up ran the distribution's prometheus (the fixture put it on PATH) over every
+    node's Ray metrics: both nodes are up as targets, and the run's training samples/s is there
+    under its name, as its manifest says."""
+    url = record.load(cluster.config / record.RECORD).metrics_url
+    if url is None:
+        pytest.skip("no prometheus binary (scripts/promtool.sh --bin-dir unpacks the distribution's)")
+    assert url == f"http://127.0.0.1:{cluster.dashboard_port + 1000}"
+    # the nodes' metrics exporters, from Ray's own service-discovery file (also the dashboard's)
+    nodes = wait_for_query(url, 'up{job="ray"}', lambda r: sum(s["value"][1] == "1" for s in r) >= 2)
+    assert len({s["metric"]["instance"] for s in nodes}) >= 2
+    measured = read_manifest(storage.parent / "models-e2e")["metrics"]["samples_per_s"]
+    (series,) = wait_for_query(url, 'max_over_time(ray_dlc_train_samples_per_second{run="e2e"}[30m])',
+                               lambda r: len(r) == 1)
+    assert series["metric"]["dlc_job"] == "ddp_autoencoder"
+    assert float(series["value"][1]) == pytest.approx(measured, rel=0.2)
 
 
 def checkpoints(storage, name):

@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, INVENTORY, METRICS_PORT, NODES, PORT, REPO, recap, run
 
+from tests.browser import chromium, dom, screenshot
+from tests.promql import wait_for_query
 from trainkit import baseline, record
 
 pytestmark = pytest.mark.timeout(1800)
@@ -449,8 +451,8 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     print(proc.stdout[-5000:])
     assert proc.returncode == 0 and "succeeded" in proc.stdout
     # the run's record on the shared storage says where its model went (DLC_STORAGE_PATH/<name>)
-    record = json.loads(emulated.ssh("node-3", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
-    model, manifest_path = record["model"], record["manifest"]
+    published = json.loads(emulated.ssh("node-3", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    model, manifest_path = published["model"], published["manifest"]
     assert model.startswith(f"/srv/dlcluster/models/{name}/publications/") and model.endswith("/model.onnx")
     assert "3 worker(s) on CPU" in proc.stdout
     # the model is on the shared storage: a worker node sees it
@@ -480,18 +482,27 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     assert abs(float(series["value"][1]) - measured) <= 0.2 * measured, (series, measured)
 
 
-def wait_for_query(url: str, query: str, done, timeout: float = 90) -> list[dict]:
-    """Prometheus' answer to an instant query, once `done(result)` holds (scrapes come every 5 s)."""
-    deadline, result = time.time() + timeout, None
-    while time.time() < deadline:
-        with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": query}),
-                                    timeout=10) as r:
-            result = json.loads(r.read())["data"]["result"]
-        if done(result):
-            return result
-        time.sleep(2)
-    raise AssertionError(f"Prometheus at {url}: {query} gave {result} after {timeout} s")
 
+
+def test_prometheus_graphs_the_readme_runs_samples_per_second_in_a_browser(emulated, tmp_path):
+    """Prometheus' graph page, opened in a real browser through the tunnel, draws the training
+    samples/s of the README job's run (the test above); its picture is docs/metrics-prometheus.png."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
+    metrics = record.load(emulated.config / record.RECORD).metrics_url
+    runs = wait_for_query(metrics, 'count_over_time(ray_dlc_train_samples_per_second{run=~"readme-.*"}[1h])',
+                          lambda r: len(r) >= 1)
+    run_name = runs[0]["metric"]["run"]
+    page = (f"{metrics}/graph?" + urllib.parse.urlencode(
+        {"g0.expr": f'ray_dlc_train_samples_per_second{{run="{run_name}"}}', "g0.tab": "0",
+         "g0.range_input": "30m"}))
+    drawn = dom(browser, page)
+    # the graph's legend names the run's series, and the chart drew a line for it
+    assert f'run="{run_name}"' in drawn and "<path" in drawn, drawn[-3000:]
+    png = tmp_path / "metrics-prometheus.png"
+    screenshot(browser, page, png)
+    print(f"screenshot: {png}")
 
 def ray_pids(emulated) -> dict[str, str]:
     return {n: emulated.ssh(n, "systemctl", "show", "-p", "MainPID", "--value", "dlc-ray").stdout.strip()
