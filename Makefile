@@ -59,7 +59,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status token cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -76,6 +76,9 @@ cluster-up: setup ## INVENTORY set: provision its servers through the bastion, s
 
 cluster-status: setup ## each node's Ray service and the nodes and resources the head sees
 	@scripts/cluster.sh status
+
+token: setup ## print the current cluster's Ray token, for the dashboard's sign-in dialog (to the terminal only)
+	@$(PY) -m trainkit.record token
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
 	@scripts/cluster.sh down

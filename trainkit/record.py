@@ -8,6 +8,7 @@ validates that template's output against this model, and the role checks what it
 fixtures find the cluster, its job API and its token only here.
 
     python -m trainkit.record show|env|check [FILE]   # the record; its client env; validate
+    python -m trainkit.record token [FILE]            # the cluster's Ray token (the dashboard asks)
     python -m trainkit.record schema                   # its JSON Schema
 """
 
@@ -195,12 +196,18 @@ def main(argv: list[str] | None = None) -> None:
             print(load(path).model_dump_json(indent=2))
         elif what == "env":
             print(load(path).client_env_text(), end="")
+        elif what == "token":
+            # for pasting into the dashboard's sign-in dialog: to this terminal only, never a log
+            token = Path(load(path).token_path)
+            if not token.is_file():
+                raise UserError(f"no token at {token}: make cluster-up (or make attach) writes it")
+            print(token.read_text().strip())
         elif what == "check":
             r = load(path)
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
                   f"node(s)) at {r.job_api}")
         else:
-            raise UserError(f"unknown command {what!r}; use show, env, check or schema")
+            raise UserError(f"unknown command {what!r}; use show, env, token, check or schema")
     except UserError as e:
         print(f"record: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

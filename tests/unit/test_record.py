@@ -144,6 +144,14 @@ def test_the_command_line(tmp_path):
     assert "export RAY_ADDRESS=http://127.0.0.1:8265\n" in env.stdout
     bad = subprocess.run([*run, "env", str(tmp_path / "none.json")], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("record: error: no cluster record at ")
+    # the token for the dashboard's sign-in dialog, read from where the record says
+    token = tmp_path / "ray_token"
+    path.write_text(json.dumps(remote(token_path=str(token))))
+    missing = subprocess.run([*run, "token", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and f"no token at {token}: make cluster-up" in missing.stderr
+    token.write_text("abc123\n")
+    shown = subprocess.run([*run, "token", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout == "abc123\n"
     schema = json.loads(subprocess.run([*run, "schema"], cwd=REPO, capture_output=True, text=True).stdout)
     assert set(schema["required"]) >= {"name", "kind", "job_api", "token_path", "nodes"}
 
