@@ -6,7 +6,8 @@
 # its tests run. Logs go to $OUT when set (else /tmp/dlc-gpu-out); the exit status is nonzero
 # when either pytest run failed.
 #
-#   usage: scripts/gpu_tier.sh [DIR] [pytest args...]     DIR: default .gpu-stage
+#   usage: scripts/gpu_tier.sh [DIR] [pytest args...]     DIR: default .gpu-stage (a -k among the
+#          args replaces each part's own: the part without Horovod, then Horovod's)
 #   GPU_PYTHON=python3   the Python environment that holds torch
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,7 @@ export DLC_HOME=${DLC_HOME:-/tmp/dlc-gpu-home} DLC_CACHE=${DLC_CACHE:-/tmp/dlc-g
 
 set -o pipefail
 tier() { "$py" -m pytest tests/gpu -v -s -p no:cacheprovider "$@" 2>&1 | tee -a "$out/gpu-tier.log"; }
+: >"$out/gpu-tier.log"  # this run's log only (both parts append to it)
 status=0
 echo "gpu-tier: the tests that need no Horovod"
 tier -k "not horovod" "$@" || status=$?

@@ -12,7 +12,7 @@ die() { echo "promtool: error: $*" >&2; exit 2; }
 . ./versions.env
 dir=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}/tools/prometheus
 tool=$dir/usr/bin/promtool
-if [ ! -x "$tool" ]; then
+if [ ! -x "$tool" ] || [ ! -x "$dir/usr/bin/prometheus" ]; then
   command -v apt-get >/dev/null || die "no apt-get here: install Prometheus' promtool and put it on PATH"
   mkdir -p "$dir"
   work=$(mktemp -d "$dir/.dl.XXXXXX")
