@@ -22,7 +22,7 @@ built-in digits, shifted, to --mnist-train images, written once under $DLC_HOME)
 
 --folder-scale N also measures a folder of N small JPEGs (made once, cached) against the built-in
 frames: the driver's check of it alone (seconds, peak memory) and the autoencoder's submit to
-first step on Ray with it (one epoch at 60x80).
+first step on Ray with it (one epoch at 60x80 over at most N frames, the built-in ones too).
 """
 
 from __future__ import annotations
@@ -172,13 +172,15 @@ print(src.count, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SEL
 
 def folder_scale(n: int, a, current, work: Path) -> dict:
     """The driver's check alone (a fresh process: seconds, peak MiB), then submit to first step on
-    Ray, for the built-in frames and for a folder of n JPEGs."""
+    Ray, for the built-in frames and for a folder of n JPEGs (each run one epoch of at most n)."""
     folder = frames_folder(n)
     out = {"files": n}
     for label, where in (("builtin", ""), ("folder", str(folder))):
         count, secs, peak = subprocess.run([sys.executable, "-c", CHECK, where], cwd=REPO, check=True,
                                            capture_output=True, text=True).stdout.split()
-        job_args = ["--batch-size", "128", "--image-size", "60x80", *(["--data", where] if where else [])]
+        # both train on at most n frames: the epoch after the first step is not what is compared
+        job_args = ["--batch-size", "128", "--image-size", "60x80", "--limit", str(n),
+                    *(["--data", where] if where else [])]
         r = measure("ddp_autoencoder", "ray", argparse.Namespace(epochs=1), current, work, 0, job_args)
         out[label] = {"frames": int(count), "driver_check_s": float(secs), "driver_peak_mib": float(peak),
                       "launch_to_first_step_s": r["launch_to_first_step_s"], "wall_s": r["wall_s"]}

@@ -90,18 +90,6 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
     assert "nothing to stop" in other.script("down").stdout
 
 
-def test_submit_finds_a_cluster_on_another_port_through_its_record(cluster, tmp_path):
-    """The fixture cluster's job API is on 8290, not the default: `make submit` must find it in the
-    record, with DASHBOARD_PORT unset."""
-    env = {k: v for k, v in cluster.env.items() if k not in ("DASHBOARD_PORT", "RAY_PORT")}
-    proc = subprocess.run(["make", "--no-print-directory", "submit", "JOB=ddp_autoencoder",
-                           f"ARGS=--image-size 40x60 --limit 40 --batch-size 8 --num-workers 1 "
-                           f"--storage-path {tmp_path}/runs --output {tmp_path}/model"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert (tmp_path / "model" / "model.onnx").exists()
-
-
 @pytest.mark.parametrize("variables,line", [
     ({"NODES": "abc"}, "NODES=abc is not a whole number"),
     ({"NODES": "0"}, "NODES=0 must be from 1 to 64"),

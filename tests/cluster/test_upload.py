@@ -2,7 +2,8 @@
 into the checkout are absent where the job runs (the driver and a task on each node), so is git's
 config; `make submit` uploads only what git tracks (an untracked script stays behind too);
 the commit travels as data (`make submit`: DLC_SUBMIT_COMMIT) and the manifest names both it and
-the content-addressed package of the code that ran."""
+the content-addressed package of the code that ran. `make submit` finds the cluster through its
+record (the fixture's job API is not on the default port)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,17 @@ def test_untracked_secrets_stay_on_the_client_and_the_commit_travels_as_data(clu
                              ".netrc": False, "credentials.json": False, ".aws/config": False,
                              ".git/config": False, ".git/HEAD": True, "jobs/ddp_autoencoder.py": True}
 
+        # make submit as the README shows it, DASHBOARD_PORT and RAY_PORT unset: the fixture
+        # cluster's job API is on 8290, not the default, and the record says so
         out = tmp_path / "model"
-        sub = subprocess.run(["ray/submit.sh", "ddp_autoencoder", "--image-size", "40x60", "--limit", "96",
-                              "--batch-size", "16", "--epochs", "1", "--output", str(out),
-                              "--storage-path", str(tmp_path / "runs")],
-                             cwd=REPO, env={**cluster.env, "PATH": f"{BIN}:/usr/bin:/bin"},
+        env = {k: v for k, v in cluster.env.items() if k not in ("DASHBOARD_PORT", "RAY_PORT")}
+        sub = subprocess.run(["make", "--no-print-directory", "submit", "JOB=ddp_autoencoder",
+                              "ARGS=--image-size 40x60 --limit 96 --batch-size 16 --epochs 1 "
+                              f"--output {out} --storage-path {tmp_path / 'runs'}"],
+                             cwd=REPO, env={**env, "PATH": f"{BIN}:/usr/bin:/bin"},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
         assert sub.returncode == 0, sub.stdout[-3000:]
+        assert (out / "model.onnx").exists()
     finally:
         for name in DROPPED:
             (REPO / name).unlink(missing_ok=True)

@@ -903,8 +903,10 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     # resumed by make resume RUN=... from its last checkpoint (issue: operations, step 5)
     name = f"resume-{int(time.time())}"
     make = ["make", "--no-print-directory"]
+    # small frames (as the elastic runs'): what is proved is the restart and the resume, not training
     first = subprocess.Popen([*make, "submit", "JOB=ddp_autoencoder",
-                              f"ARGS=--epochs 4 --limit 2000 --name {name}"],
+                              "ARGS=--epochs 6 --limit 1500 --image-size 60x80 --batch-size 16 "
+                              f"--name {name}"],
                              cwd=REPO, env=emulated.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     # the head goes once Ray Train has recorded the first checkpoint as the run's latest (its
@@ -929,7 +931,7 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     published = json.loads(emulated.ssh("node-2", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
     manifest = json.loads(emulated.ssh("node-2", "cat", published["manifest"]).stdout)
     starts = manifest["restarts"]["attempts"]
-    assert 1 <= starts[0]["resumed_after_epoch"] < 4 and manifest["metrics"]["epoch"] == 4, \
+    assert 1 <= starts[0]["resumed_after_epoch"] < 6 and manifest["metrics"]["epoch"] == 6, \
         manifest["restarts"]
     again = run([*make, "resume", f"RUN={name}"], emulated.env, timeout=120)
     assert again.returncode != 0 and f"resume: error: run {name} finished (job {name}-2 succeeded)" in \
@@ -941,7 +943,11 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     # idle cluster, the slowed-node test shows what they name)
     loose = ("--max-step-slowdown 1 --min-storage-fraction 0.1 --min-link-fraction 0.3 "
              "--min-busbw-fraction 0.3")
-    smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report} {loose}"],
+    # every step but the all-reduce sweep, which the first cluster-up's baseline ran (its fixture;
+    # the perf step measures all-reduce bandwidth too)
+    only = "--only nodes,perf,trainers,proxyjump"
+    smoke = subprocess.Popen(["make", "--no-print-directory", "smoke",
+                              f"SMOKE_ARGS=--json {report} {only} {loose}"],
                              cwd=REPO, env=emulated.env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     out_lines: list[str] = []
@@ -954,7 +960,7 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         ports = {port for _, port in now}
         outside |= probe("dlc-emu-outsider", [NODE1_PUBLIC, NODE1_PUBLIC6, NODES["node-1"]], ports | {22})
         inside |= probe("dlc-emu-bastion", [NODES["node-1"]], ports)
-        time.sleep(8)  # each trainer runs for half a minute or more: a few looks each, fewer docker
+        time.sleep(12)  # each trainer runs for half a minute or more: a few looks each, fewer docker
         # execs taking CPU from the trainers (a look is three, on 2 cores)
     smoke.wait(timeout=60)
     reader.join(timeout=30)
@@ -966,7 +972,7 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
           f"outsider reached {sorted(outside)}; the bastion {len(inside)}")
     assert smoke.returncode == 0
     steps = {s["name"]: s for s in json.loads(report.read_text())["steps"]}
-    assert set(steps) >= {"nodes", "allreduce", "perf", "trainers", "proxyjump"}
+    assert set(steps) == {"nodes", "perf", "trainers", "proxyjump"}
     assert len(steps["perf"]["details"]["now"]["nodes"]) == 3 and steps["perf"]["details"]["findings"] == []
     assert Path(steps["perf"]["details"]["plot"]).read_bytes()[:4] == b"\x89PNG"
     for name, step in steps.items():
@@ -1425,7 +1431,8 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
     """node-2's container gets 0.4 of a CPU (its cgroup's limit, as a noisy neighbour or a
     throttled machine would): make smoke's perf step names it against the baseline the first
     cluster-up recorded (and nothing else but its links), and with --quarantine takes it out of
-    Ray; a job then trains on node-1 and node-3. Its CPUs given back and released, it rejoins."""
+    Ray (as make doctor QUARANTINE=1 does, whose test trains a job on the nodes left). Its CPUs
+    given back and released, it rejoins."""
     before = run(["docker", "inspect", "-f", "{{.HostConfig.NanoCpus}}", "dlc-emu-node-2"],
                  emulated.env, check=True).stdout.strip()
     report = tmp_path / "smoke.json"
@@ -1445,10 +1452,10 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
         assert details["quarantine"] == ["node-2: quarantined: out of Ray, its Ray stopped and kept down; "
                                          "make release NODE=node-2 once it is fixed"], details["quarantine"]
         assert Path(details["plot"]).read_bytes()[:4] == b"\x89PNG"
+        # out of Ray as doctor --quarantine takes a node out (the test before this one trains a
+        # job on the two left)
         assert emulated.wait_for_nodes(2, timeout=120) == [NODES["node-1"], NODES["node-3"]]
-        name = f"slow-{int(time.time())}"
-        submit(emulated, "--name", name, "--limit", "200", "--image-size", "40x60", "--batch-size", "16")
-        assert sorted(published(emulated, name)["replica_hosts"]) == ["node-1", "node-3"]
+        assert emulated.ssh("node-2", "sudo test -e /etc/dlcluster/quarantine").returncode == 0
     finally:  # 0: no limit, which docker update takes as "unchanged": every core is the same
         cpus = int(before) / 1e9 if int(before) else os.cpu_count()
         run(["docker", "update", "--cpus", str(cpus), "dlc-emu-node-2"], emulated.env, check=True)
@@ -1467,8 +1474,8 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
     """A fourth server (a container like the others) added to the inventory: cluster-up provisions
     it and it joins; Ray on the three others is not restarted. make remove-node NODE=node-4 drains
     it, stops and disables its Ray, and leaves it out of every node's /etc/hosts, the bastion's
-    client list and the cluster record, again restarting nothing else; a job then trains on the
-    three. Bad NODE values are one line each before anything changes."""
+    client list and the cluster record, again restarting nothing else: Ray lists the three alive.
+    Bad NODE values are one line each before anything changes."""
     make = ["make", "--no-print-directory", "remove-node"]
     for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
                                   "cannot be removed"),
@@ -1510,9 +1517,6 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         for node in NODES:
             assert "node-4" not in emulated.ssh(node, "cat /etc/hosts").stdout, node
         assert NODE4 not in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
-        name = f"three-{int(time.time())}"
-        submit(emulated, "--name", name, "--limit", "200", "--image-size", "40x60", "--batch-size", "16")
-        assert sorted(published(emulated, name)["replica_hosts"]) == sorted(NODES)
     finally:
         run(["docker", "rm", "-f", "dlc-emu-node-4"], emulated.env, timeout=120)
 
