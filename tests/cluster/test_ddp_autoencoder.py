@@ -1,14 +1,16 @@
 """The main job end to end through `ray job submit` on the 2-node cluster: training, ONNX,
-manifest, resume, and bad input that fails fast with one line and touches no checkpoint."""
+manifest, resume, and bad input that fails fast with one line and touches no checkpoint; then the
+same job under torchrun, whose manifest has the Ray run's fields."""
 
 import hashlib
 import os
+import subprocess
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import ray_noise, read_manifest
+from conftest import BIN, REPO, ray_noise, read_manifest
 from ddp_autoencoder import AutoEncoder
 from PIL import Image
 
@@ -17,6 +19,7 @@ from trainkit import data, record
 
 JOB = "ddp_autoencoder"
 TINY = ["--image-size", "40x60", "--batch-size", "8", "--num-workers", "2"]
+AE_TINY = ["--image-size", "40x60", "--batch-size", "8", "--limit", "60"]  # torchrun: 2 processes
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +172,28 @@ def test_bad_input_fails_fast_with_one_line(refused, case):
     assert "Traceback" not in proc.stdout.split("Status message")[0]
     # no checkpoint and no published file changed (by any of the refused submissions)
     assert after == before
+
+
+def test_torchrun_two_processes_train_publish_and_resume(storage, trained, tmp_path):
+    """`torchrun --nproc_per_node 2 jobs/ddp_autoencoder.py` (plain DDP, the baseline the PyTorch
+    DDP tutorial shows, no Ray); a second run resumes; the manifest has every field the Ray path's
+    has (the run above, through `ray job submit`), down to the metrics."""
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "jobs/ddp_autoencoder.py", *AE_TINY,
+           "--name", "tr"]
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
+    first = subprocess.run([*cmd, "--epochs", "1"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = tmp_path / "models" / "tr"
+    m = read_manifest(out)
+    assert m["launcher"] == "torchrun" and m["world_size"] == 2 and m["metrics"]["world_size"] == 2
+    assert m["replicas_in_sync"] is True and len(m["replica_digests"]) == 2
+    assert (m["metrics"]["train_iters"], m["metrics"]["val_iters"]) == (4, 1)  # as on Ray
+    assert m["metrics"]["allreduce_s"] > 0  # the DDP comm hook saw the gradient all-reduce
+    second = subprocess.run([*cmd, "--epochs", "2"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming after epoch 1" in second.stdout and read_manifest(out)["metrics"]["epoch"] == 2
+    r = read_manifest(storage.parent / "models-e2e")
+    assert set(r) == set(m) and set(r["metrics"]) == set(m["metrics"]) and set(r["run"]) == set(m["run"])
+    assert r["launcher"] == "ray"
