@@ -714,8 +714,8 @@ def tls_serials(emulated) -> dict[str, tuple[str, float]]:
 def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_holder(emulated, tmp_path):
     """Operator B (an empty config folder, the same key) runs cluster-up while A's job runs: B gets
     the cluster's token from the head, nothing restarts, A's job and A's token go on, and B's full
-    run changes nothing on any server (after the previous test's interrupted run converged; the
-    jump-host test's second run shows the same of the control host's files). Operator C
+    run changes nothing on any server (after the previous test's interrupted run converged).
+    Operator C
     starts while B's run holds the head's lock: one line naming B's run, nothing changed."""
     before = ray_pids(emulated)
     b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
@@ -1235,8 +1235,8 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
     """No service asked of the bastion: cluster-up runs nothing on it (no facts, no become), only
     connects through it, here through an outer gateway too, while this machine cannot open a
     connection to the bastion itself. The nodes take their packages from a site proxy (here: the
-    proxy the default inventory runs on the bastion). A second run changes nothing. (The first
-    may: docker rewrites /etc/hosts of a node container killed by an earlier test.)"""
+    proxy the default inventory runs on the bastion). (A second run that changes nothing is the
+    second operator's test's, on the servers.)"""
     inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
                                           f"    dlc_apt_proxy: http://{BASTION_PRIVATE}:3142\n")
     block = ["OUTPUT", "-d", "172.31.250.10", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
@@ -1252,10 +1252,6 @@ def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulate
         assert "Port 2222" in config and "User jump" in config and "ProxyJump 172.31.250.20" in config
         # the gateway's host key recorded at first contact (the bastion's was already known)
         assert "[172.31.250.20]:2222 " in (emulated.cluster_dir / "known_hosts").read_text()
-        again = emulated.cluster("up", inventory)
-        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
-        assert {h: v["changed"] for h, v in recap(again.stdout).items()} == \
-            {h: 0 for h in ("localhost", *NODES)}
         assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
     finally:  # the default way in comes back with the next test's run (rotate-token writes it)
         run(["iptables", "-D", *block], emulated.env)
