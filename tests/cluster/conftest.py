@@ -78,6 +78,12 @@ class LocalCluster:
             return dict(zip(cases, procs, strict=True))
 
 
+def plain_env(tmp_path: Path) -> dict:
+    """A plain launcher's environment (torchrun, horovodrun, TF_CONFIG): the project's virtualenv
+    on PATH, a home of the test's own, no Ray address."""
+    return {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
+
+
 def prometheus_bin_dir() -> str | None:
     """The folder of the distribution's prometheus binary (scripts/promtool.sh unpacks it), put on
     the local cluster's PATH so that it runs one; None where it cannot be had."""

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import BIN, REPO, ray_noise, read_manifest
+from conftest import BIN, REPO, plain_env, ray_noise, read_manifest
 from ddp_autoencoder import AutoEncoder
 from PIL import Image
 
@@ -170,7 +170,7 @@ def test_torchrun_two_processes_train_publish_and_resume(storage, trained, tmp_p
     has (the run above, through `ray job submit`), down to the metrics."""
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "jobs/ddp_autoencoder.py", *AE_TINY,
            "--name", "tr"]
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
+    env = plain_env(tmp_path)
     first = subprocess.run([*cmd, "--epochs", "1"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

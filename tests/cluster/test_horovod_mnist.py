@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import BIN, REPO, ray_noise, read_manifest
+from conftest import BIN, REPO, plain_env, ray_noise, read_manifest
 from horovod_mnist import Net
 
 from trainkit import versions
@@ -50,7 +50,7 @@ def test_horovod_trainer_on_two_nodes(cluster, tmp_path):
 
 def test_horovodrun_without_ray(tmp_path):
     out = tmp_path / "model"
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
+    env = plain_env(tmp_path)
     proc = subprocess.run(
         [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
          "jobs/horovod_mnist.py", "--epochs", "1", "--batch-size", "64", "--name", "hvdrun",

@@ -6,14 +6,9 @@ import os
 import subprocess
 import sys
 
-from conftest import BIN, REPO, read_manifest
+from conftest import REPO, plain_env, read_manifest
 
 from trainkit import launch
-
-
-def plain_env(tmp_path) -> dict:
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "DLC_HOME": str(tmp_path)}
-    return env
 
 
 def start_tf_workers(tmp_path, name: str) -> list[subprocess.Popen]:

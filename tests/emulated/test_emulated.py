@@ -715,8 +715,8 @@ def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_ho
     """Operator B (an empty config folder, the same key) runs cluster-up while A's job runs: B gets
     the cluster's token from the head, nothing restarts, A's job and A's token go on, and B's full
     run changes nothing on any server (after the previous test's interrupted run converged).
-    Operator C
-    starts while B's run holds the head's lock: one line naming B's run, nothing changed."""
+    Operator C starts while B's run holds the head's lock: one line naming B's run, nothing
+    changed."""
     before = ray_pids(emulated)
     b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
     b_log = Path(b["DLC_CONFIG"]) / "clusters/emulated/up.log"
