@@ -20,6 +20,7 @@ RAY_PORT        ?= 6379
 DASHBOARD_PORT  ?= 8265
 # an Ansible cluster's Prometheus, at this port of 127.0.0.1 (the tunnel's other forward)
 METRICS_PORT    ?= 9090
+GRAFANA_PORT    ?= 3000
 # job that `make submit` runs (jobs/$(JOB).py)
 JOB             ?= ddp_autoencoder
 # extra flags for that job
@@ -53,13 +54,13 @@ ifneq ($(filter $(CURDIR)/%,$(abspath $(DLC_CONFIG))/),)
 $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files travel with every job; set it outside, e.g. DLC_CONFIG=$(HOME)/.config/dlcluster)
 endif
 
-export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT METRICS_PORT \
+export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT METRICS_PORT GRAFANA_PORT \
        INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD RUN
 VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status token cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status token grafana-password cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -79,6 +80,9 @@ cluster-status: setup ## each node's Ray service and the nodes and resources the
 
 token: setup ## print the current cluster's Ray token, for the dashboard's sign-in dialog (to the terminal only)
 	@$(PY) -m trainkit.record token
+
+grafana-password: setup ## print the current cluster's Grafana admin password, for its sign-in page (to the terminal only)
+	@$(PY) -m trainkit.record grafana-password
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
 	@scripts/cluster.sh down

@@ -76,7 +76,7 @@ export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
-   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" -e "dlc_metrics_tunnel_port=${METRICS_PORT:-9090}" "${removal[@]}" "${extra[@]}" "$playbook") 9>&- 2>&1 | tee "$log"
+   -e "dlc_tunnel_port=${DASHBOARD_PORT:-8265}" -e "dlc_metrics_tunnel_port=${METRICS_PORT:-9090}" -e "dlc_grafana_tunnel_port=${GRAFANA_PORT:-3000}" "${removal[@]}" "${extra[@]}" "$playbook") 9>&- 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then

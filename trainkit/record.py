@@ -9,6 +9,7 @@ fixtures find the cluster, its job API and its token only here.
 
     python -m trainkit.record show|env|check [FILE]   # the record; its client env; validate
     python -m trainkit.record token [FILE]            # the cluster's Ray token (the dashboard asks)
+    python -m trainkit.record grafana-password [FILE] # Grafana's admin password (its sign-in page asks)
     python -m trainkit.record schema                   # its JSON Schema
 """
 
@@ -77,6 +78,11 @@ class ClusterRecord(BaseModel):
     metrics_url: str | None = Field(None, description="http://HOST:PORT where this client reaches "
                                                     "the cluster's Prometheus (the tunnel's local end); "
                                                     "null where the cluster has none")
+    grafana_url: str | None = Field(None, description="http://HOST:PORT where this client reaches the "
+                                                    "cluster's Grafana (the tunnel's local end); null "
+                                                    "where the cluster has none")
+    grafana_password_path: str | None = Field(None, description="absolute path of Grafana's admin "
+                                                                "password on this client")
     token_path: str = Field(description="absolute path of the Ray token file on this client")
     nodes: list[Node] = Field(min_length=1, description="the nodes, exactly one of them the head")
     ssh_config: str | None = Field(None, description="ssh config whose node entries ProxyJump "
@@ -85,7 +91,7 @@ class ClusterRecord(BaseModel):
     storage: str | None = Field(None, description="shared storage path on the nodes")
     inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
 
-    @field_validator("job_api", "metrics_url")
+    @field_validator("job_api", "metrics_url", "grafana_url")
     @classmethod
     def _api(cls, v: str | None) -> str | None:
         if v is None:
@@ -99,7 +105,7 @@ class ClusterRecord(BaseModel):
             raise ValueError(f"must look like http://HOST:PORT, not {v!r}")
         return v
 
-    @field_validator("token_path", "ssh_config")
+    @field_validator("token_path", "ssh_config", "grafana_password_path")
     @classmethod
     def _absolute(cls, v):
         if v is not None and not Path(v).is_absolute():
@@ -202,12 +208,23 @@ def main(argv: list[str] | None = None) -> None:
             if not token.is_file():
                 raise UserError(f"no token at {token}: make cluster-up (or make attach) writes it")
             print(token.read_text().strip())
+        elif what == "grafana-password":
+            # for Grafana's sign-in page (user admin): to this terminal only, never a log
+            r = load(path)
+            if r.grafana_url is None or r.grafana_password_path is None:
+                raise UserError(f"cluster {r.name} has no Grafana: make cluster-up installs it on the head "
+                                "where Grafana's package source is reachable (dlc_grafana)")
+            secret = Path(r.grafana_password_path)
+            if not secret.is_file():
+                raise UserError(f"no Grafana password at {secret}: make cluster-up fetches it from the head")
+            print(secret.read_text().strip())
         elif what == "check":
             r = load(path)
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
                   f"node(s)) at {r.job_api}")
         else:
-            raise UserError(f"unknown command {what!r}; use show, env, token, check or schema")
+            raise UserError(f"unknown command {what!r}; use show, env, token, grafana-password, check "
+                            "or schema")
     except UserError as e:
         print(f"record: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -33,6 +33,8 @@ BIN = Path(sys.executable).parent
 # quick start's two commands (make demo, then make test) run in that order, the demo still up.
 PORT = 8275
 METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's METRICS_PORT)
+# Grafana's (GRAFANA_PORT): the emulated head has none (its package source is unreachable)
+GRAFANA_PORT = 9276
 DEMO_PORT = 8265
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
 # the bastion container's address on the private network, as the emulated inventory names it
@@ -169,7 +171,7 @@ def demo(tmp_path_factory):
 def emulated(tmp_path_factory, demo):
     config = tmp_path_factory.mktemp("dlc-config")
     env = {**os.environ, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(PORT),
-           "METRICS_PORT": str(METRICS_PORT)}
+           "METRICS_PORT": str(METRICS_PORT), "GRAFANA_PORT": str(GRAFANA_PORT)}
     env.pop("RAY_ADDRESS", None)
     env.pop("INVENTORY", None)
     run(["tests/emulated/emulate.sh", "down"], env)  # a fresh start: new machines, new host keys

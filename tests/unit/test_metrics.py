@@ -3,6 +3,7 @@ no error) outside Ray."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -72,17 +73,37 @@ RENDER_PLAY = """
 - hosts: ray_nodes
   connection: local
   gather_facts: false
-  vars_files: [{a}/roles/dlc/defaults/main.yml, {a}/roles/ray/defaults/main.yml,
-               {a}/roles/metrics/defaults/main.yml]
+  vars_files: [{a}/roles/dlc/defaults/main.yml, {a}/roles/ray/defaults/main.yml, {a}/roles/ray/vars/main.yml,
+               {a}/roles/metrics/defaults/main.yml, {a}/roles/grafana/defaults/main.yml]
   tasks:
     - ansible.builtin.set_fact:
         dlc_node_ip: "{{{{ dlc_node_ip }}}}"
+        dlc_node_iface: eth0
+        # the first worker has two GPUs (roles/nvidia's count), the others none
+        nvidia_gpu_count: "{{{{ 2 if inventory_hostname == groups['ray_workers'][0] else 0 }}}}"
     - ansible.builtin.template:
         src: {a}/roles/metrics/templates/{{{{ item }}}}.j2
         dest: "{out}/{{{{ item }}}}"
         mode: "0644"
       loop: [prometheus.yml, dlc-alerts.yml]
       when: inventory_hostname == groups['ray_head'][0]
+    - ansible.builtin.template:
+        src: {a}/roles/grafana/templates/{{{{ item }}}}.j2
+        dest: "{out}/{{{{ item }}}}"
+        mode: "0644"
+      loop: [datasources.yml, dashboards.yml, grafana-server.conf]
+      when: inventory_hostname == groups['ray_head'][0]
+    - ansible.builtin.file:
+        path: "{out}/{{{{ inventory_hostname }}}}"
+        state: directory
+        mode: "0755"
+    - ansible.builtin.template:
+        src: "{{{{ item }}}}.j2"
+        dest: "{out}/{{{{ inventory_hostname }}}}/{{{{ item | basename }}}}"
+        mode: "0644"
+      loop: [{a}/roles/metrics/templates/dlc-dcgm-exporter.service,
+             {a}/roles/metrics/templates/nvidia-dcgm-exporter.conf,
+             {a}/roles/ray/templates/ray.env]
 """
 
 
@@ -115,7 +136,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
 def test_the_scrape_configuration_and_rules_pass_prometheus_own_checker(rendered, inventory):
     checked = promtool("check", "config", str(rendered[inventory] / "prometheus.yml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 7 rules found" in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+    assert "SUCCESS: 8 rules found" in checked.stdout + checked.stderr, checked.stdout + checked.stderr
     config = yaml.safe_load((rendered[inventory] / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j["static_configs"] for j in config["scrape_configs"]}
     hosts = yaml.safe_load((ANSIBLE / "inventories" / inventory / "hosts.yml").read_text())["all"]
@@ -124,6 +145,11 @@ def test_the_scrape_configuration_and_rules_pass_prometheus_own_checker(rendered
     for job, port in (("node", 9100), ("ray", 8080)):
         assert [c["labels"]["node"] for c in jobs[job]] == nodes
         assert all(c["targets"][0].endswith(f":{port}") for c in jobs[job])
+    # NVIDIA's DCGM exporter only on the node with GPUs
+    gpu = hosts["children"]["ray_workers"]["hosts"]
+    gpu_node = next(iter(gpu))
+    dcgm = [(c["labels"]["node"], c["targets"][0].rsplit(":", 1)[1]) for c in jobs["dcgm"]]
+    assert dcgm == [(gpu_node, "9400")]
 
 
 ALERT_TESTS = """
@@ -173,3 +199,104 @@ def test_the_alert_rules_fire_on_what_they_name_and_not_otherwise(rendered, tmp_
                                         run='run="r", dlc_job="ddp_autoencoder", job="ray", node="node-1"'))
     checked = promtool("test", "rules", str(tests))
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# ---- NVIDIA's DCGM exporter on a GPU node, for each runtime; Grafana's provisioning and dashboard
+
+
+def node_ip(inventory: str, role: str) -> tuple[str, str]:
+    hosts = yaml.safe_load((ANSIBLE / "inventories" / inventory / "hosts.yml").read_text())["all"]
+    name, h = next(iter(hosts["children"][role]["hosts"].items()))
+    return name, (h or {}).get("ip") or h["ansible_host"]
+
+
+@pytest.mark.parametrize("inventory", ["example", "emulated"])
+def test_a_gpu_nodes_dcgm_exporter_answers_its_private_address_under_either_runtime(rendered, inventory):
+    name, ip = node_ip(inventory, "ray_workers")
+    # docker nodes: NVIDIA's container, every GPU through the container toolkit
+    unit = (rendered[inventory] / name / "dlc-dcgm-exporter.service").read_text()
+    start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert start.split() == ["ExecStart=/usr/bin/docker", "run", "--rm", "--name", "dlc-dcgm-exporter",
+                             "--gpus", "all", "--cap-add", "SYS_ADMIN", "--network", "host",
+                             "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless", "-a", f"{ip}:9400"]
+    # host nodes: NVIDIA's package, its unit's command replaced by one with the private address
+    dropin = (rendered[inventory] / name / "nvidia-dcgm-exporter.conf").read_text().splitlines()
+    i = dropin.index("ExecStart=")
+    assert dropin[i + 1] == ("ExecStart=/usr/bin/dcgm-exporter -f /etc/dcgm-exporter/default-counters.csv "
+                             f"-a {ip}:9400")
+
+
+PANEL_RULES = """
+groups:
+  - name: panels
+    rules:
+{rules}
+"""
+# Grafana's own variables, as Grafana substitutes them before Prometheus sees a query
+GRAFANA_VARS = {"$__rate_interval": "1m", "$run": ".*", "$node": ".*"}
+
+
+def parses(exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Prometheus' own parser on each expression: as a recording rule, through promtool."""
+    rules = "\n".join(f"      - record: panel_{i}\n        expr: {json.dumps(e)}"
+                      for i, e in enumerate(exprs))
+    path = tmp_path / "panels.yml"
+    path.write_text(PANEL_RULES.format(rules=rules))
+    return promtool("check", "rules", str(path))
+
+
+def test_grafanas_dashboard_queries_parse_and_name_only_the_provisioned_data_source(rendered, tmp_path):
+    provisioned = yaml.safe_load((rendered["emulated"] / "datasources.yml").read_text())["datasources"]
+    _, head_ip = node_ip("emulated", "ray_head")
+    assert [(d["uid"], d["type"], d["url"], d["isDefault"]) for d in provisioned] == [
+        ("prometheus", "prometheus", f"http://{head_ip}:9090", True)]
+    providers = yaml.safe_load((rendered["emulated"] / "dashboards.yml").read_text())["providers"]
+    assert [p["options"]["path"] for p in providers] == ["/var/lib/grafana/dashboards/dlcluster",
+                                                         "/var/lib/grafana/dashboards/ray"]
+    dashboard = json.loads((ANSIBLE / "roles/grafana/files/dlc-cluster.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    uids = {d["uid"] for d in provisioned}
+    exprs = []
+    for panel in panels:
+        assert panel["datasource"]["uid"] in uids, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] in uids, panel["title"]
+            expr = target["expr"]
+            for var, value in GRAFANA_VARS.items():
+                expr = expr.replace(var, value)
+            assert "$" not in expr, f"{panel['title']}: a variable the dashboard does not define: {expr}"
+            exprs.append(expr)
+    for var in dashboard["templating"]["list"]:
+        assert var["datasource"]["uid"] in uids
+        metric = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"])
+        assert metric, var["query"]
+        exprs.append(metric.group(1))
+    titles = {p["title"] for p in panels}
+    assert {"Samples/s", "GPU utilisation", "GPU memory used", "GPU power", "Network", "Disk", "CPU busy",
+            "Seconds per phase, last epoch"} <= titles
+    checked = parses(exprs, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in checked.stdout + checked.stderr
+    # the same check refuses a query Prometheus cannot parse
+    broken = parses(["sum by (node) (rate(node_cpu_seconds_total[1m])"], tmp_path)
+    assert broken.returncode != 0
+
+
+def test_grafana_asks_for_a_login_and_ray_embeds_it_from_the_tunnel(rendered):
+    _, head_ip = node_ip("emulated", "ray_head")
+    settings = dict(line.removeprefix("Environment=").split("=", 1)
+                    for line in (rendered["emulated"] / "grafana-server.conf").read_text().splitlines()
+                    if line.startswith("Environment="))
+    assert settings["GF_SERVER_HTTP_ADDR"] == head_ip and settings["GF_SERVER_HTTP_PORT"] == "3000"
+    assert settings["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and settings["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    # the password comes from a file on the head, never from the settings
+    assert settings["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/etc/grafana/dlc-admin-password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in settings
+    head, _ = node_ip("emulated", "ray_head")
+    worker, _ = node_ip("emulated", "ray_workers")
+    lines = (rendered["emulated"] / head / "ray.env").read_text().splitlines()
+    env = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    assert (env["RAY_GRAFANA_HOST"], env["RAY_GRAFANA_IFRAME_HOST"], env["RAY_PROMETHEUS_HOST"]) == (
+        f"http://{head_ip}:3000", "http://127.0.0.1:3000", f"http://{head_ip}:9090")
+    # the workers run no dashboard
+    assert "RAY_GRAFANA_HOST" not in (rendered["emulated"] / worker / "ray.env").read_text()

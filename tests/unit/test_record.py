@@ -124,6 +124,8 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
         dlc_cluster_name=inventory, ansible_inventory_sources=[f"/x/{inventory}/hosts.yml"],
         dlc_tunnel_port=8265, dlc_metrics=True, dlc_metrics_tunnel_port=9090,
         control_prometheus={"status": 200 if inventory == "emulated" else -1},
+        dlc_grafana_tunnel_port=3000,
+        control_grafana_answer={"status": 401 if inventory == "example" else -1},
         dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
         groups=groups, dlc_shared_storage_path="/srv/dlcluster",
         control_nodes_record=nodes)
@@ -132,6 +134,9 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
     assert (r.kind, r.bastion, len(r.nodes)) == ("ansible", groups["bastions"][0], len(nodes))
     # the metrics URL where Prometheus answered through the tunnel, else none
     assert r.metrics_url == ("http://127.0.0.1:9090" if inventory == "emulated" else None)
+    # Grafana's URL and password where Grafana asked for a login through the tunnel, else none
+    grafana = ("http://127.0.0.1:3000", f"{cluster_dir}/grafana_password")
+    assert (r.grafana_url, r.grafana_password_path) == (grafana if inventory == "example" else (None, None))
 
 
 def test_the_command_line(tmp_path):
@@ -152,6 +157,17 @@ def test_the_command_line(tmp_path):
     token.write_text("abc123\n")
     shown = subprocess.run([*run, "token", str(path)], cwd=REPO, capture_output=True, text=True)
     assert shown.returncode == 0 and shown.stdout == "abc123\n"
+    # Grafana's admin password for its sign-in page, only where the record names a Grafana
+    none = subprocess.run([*run, "grafana-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert none.returncode == 2 and "cluster lab has no Grafana: make cluster-up" in none.stderr
+    secret = tmp_path / "grafana_password"
+    path.write_text(json.dumps(remote(token_path=str(token), grafana_url="http://127.0.0.1:3000",
+                                      grafana_password_path=str(secret))))
+    gone = subprocess.run([*run, "grafana-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert gone.returncode == 2 and f"no Grafana password at {secret}: make cluster-up" in gone.stderr
+    secret.write_text("s3cret\n")
+    shown = subprocess.run([*run, "grafana-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout == "s3cret\n"
     schema = json.loads(subprocess.run([*run, "schema"], cwd=REPO, capture_output=True, text=True).stdout)
     assert set(schema["required"]) >= {"name", "kind", "job_api", "token_path", "nodes"}
 
