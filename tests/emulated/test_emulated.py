@@ -483,8 +483,8 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated):
     # no Grafana on the emulated head (its nodes reach only the distribution's mirrors): the first
     # cluster-up said so in one line, carried on with Prometheus alone, and the record names none
     said = " ".join(emulated.up.stdout.split())
-    assert said.count("node-1: no Grafana: its package source https://apt.grafana.com is not reachable") == 1, \
-        said[-3000:]
+    grafana = "node-1: no Grafana: its package source https://apt.grafana.com is not reachable"
+    assert said.count(grafana) == 1, said[-3000:]
     assert "set dlc_grafana: false to leave Grafana out" in said and "dashboards: no Grafana" in said
     assert record.load(emulated.config / record.RECORD).grafana_url is None
 
