@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 PORT = 8275
 METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's METRICS_PORT)
 # Grafana's (GRAFANA_PORT): the emulated head has none (its package source is unreachable)
-GRAFANA_PORT = 9276
+GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (test_emulated.operator)
 DEMO_PORT = 8265
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
 # the bastion container's address on the private network, as the emulated inventory names it
