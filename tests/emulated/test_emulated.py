@@ -1561,7 +1561,9 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     assert old[0] == old[1] == image_id("dlcluster:cpu")
     pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    job, lines, reader = elastic_run(emulated, name, 20)  # 10 epochs ended within the upgrade's 135 s
+    # long enough to outlast the upgrade's first worker and reach node-3's drain: 10 epochs ended
+    # within the upgrade's 135 s, 20 within its 165 s (2026-11-26, 2 cores)
+    job, lines, reader = elastic_run(emulated, name, 40)
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
         assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
