@@ -1563,7 +1563,8 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     name = f"upgraded-{int(time.time())}"
     # long enough to outlast the upgrade's first worker and reach node-3's drain: 10 epochs ended
     # within the upgrade's 135 s, 20 within its 165 s (2026-11-26, 2 cores)
-    job, lines, reader = elastic_run(emulated, name, 40)
+    epochs = 40
+    job, lines, reader = elastic_run(emulated, name, epochs)
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
         assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
@@ -1581,7 +1582,7 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     out = "".join(lines)
     assert job.returncode == 0 and "succeeded" in out, out[-3000:]
     m = published(emulated, name)
-    assert m["metrics"]["epoch"] == 20 and m["parity"]["max_abs_diff"] <= 1e-4, m
+    assert m["metrics"]["epoch"] == epochs and m["parity"]["max_abs_diff"] <= 1e-4, m
     assert m["restarts"]["count"] >= 1, m["restarts"]  # its workers on node-3 were stopped
     print(f"the job under the upgrade: {m['restarts']} , world size {m['world_size']}")
     new = image_id("dlcluster:cpu-next")
