@@ -20,6 +20,7 @@ RAY_PORT        ?= 6379
 DASHBOARD_PORT  ?= 8265
 # an Ansible cluster's Prometheus, at this port of 127.0.0.1 (the tunnel's other forward)
 METRICS_PORT    ?= 9090
+# an Ansible cluster's Grafana, at this port of 127.0.0.1 (the same tunnel; each end its own port)
 GRAFANA_PORT    ?= 3000
 # job that `make submit` runs (jobs/$(JOB).py)
 JOB             ?= ddp_autoencoder

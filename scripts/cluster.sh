@@ -37,6 +37,17 @@ fi
 [ -e "$INVENTORY" ] || die "no inventory $INVENTORY: copy ansible/inventories/example to ansible/inventories/<name> and edit it"
 inventory=$(realpath "$INVENTORY")
 [ -x .venv-ansible/bin/ansible-playbook ] || die "no .venv-ansible: run make setup"
+# The tunnel's local ends on this machine: ports, one each (ssh would stop only at the end of the run)
+declare -A ends=()
+for pair in DASHBOARD_PORT:8265 METRICS_PORT:9090 GRAFANA_PORT:3000; do  # make's defaults
+  var=${pair%%:*}
+  port=${!var:-${pair#*:}}
+  if ! [[ $port =~ ^[1-9][0-9]*$ ]] || ((port < 1024 || port > 65535)); then
+    die "$var=$port: the tunnel's local end must be a port from 1024 to 65535, free on this machine"
+  fi
+  [ -z "${ends[$port]:-}" ] || die "$var and ${ends[$port]} are both $port: give each end of the tunnel its own port"
+  ends[$port]=$var
+done
 
 # The cluster's name is its inventory's folder (as roles/dlc works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi

@@ -213,6 +213,27 @@ def test_a_cluster_name_or_config_folder_not_one_word_is_refused_first(tmp_path,
     assert not (tmp_path / config / "clusters").exists()  # nothing written
 
 
+@pytest.mark.parametrize("ports,expect", [
+    ({"GRAFANA_PORT": "80"}, "cluster-up: error: GRAFANA_PORT=80: the tunnel's local end must be a port from "
+                             "1024 to 65535"),
+    ({"METRICS_PORT": "9o90"}, "cluster-up: error: METRICS_PORT=9o90: the tunnel's local end must be a port"),
+    ({"GRAFANA_PORT": "8265"}, "cluster-up: error: GRAFANA_PORT and DASHBOARD_PORT are both 8265: give each "
+                               "end of the tunnel its own port"),
+])
+def test_the_tunnels_local_ends_are_checked_first(tmp_path, ports, expect):
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "hosts.yml").write_text(EXAMPLE)
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path / "config"),
+           "INVENTORY": str(tmp_path / "lab" / "hosts.yml"), **ports}
+    for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT"):
+        if name not in ports:
+            env.pop(name, None)  # make's defaults: 8265, 9090, 3000
+    proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(expect), proc.stderr
+    assert not (tmp_path / "config").exists()  # nothing written
+
+
 @pytest.mark.parametrize("config", ["cfg", ".", "ansible/inventories"])
 def test_a_config_folder_inside_the_checkout_is_refused_before_anything_runs(config):
     proc = subprocess.run(["make", "--no-print-directory", "help", f"DLC_CONFIG={config}"], cwd=REPO,
