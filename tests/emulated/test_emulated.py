@@ -809,12 +809,13 @@ def registered(emulated, name: str) -> bool:
     return False
 
 
-def elastic_run(emulated, name: str, epochs: int,
-                limit: int = 1500) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+def elastic_run(emulated, name: str, epochs: int, limit: int = 1500,
+                *flags: str) -> tuple[subprocess.Popen, list[str], threading.Thread]:
     """The README's job as an elastic run (2-3 workers) in the background, its output collected in
     `lines` by `reader` as it comes."""
     proc = submit(emulated, "--name", name, "--num-workers", "2-3", "--epochs", str(epochs),
-                  "--limit", str(limit), "--image-size", "60x80", "--batch-size", "16", background=True)
+                  "--limit", str(limit), "--image-size", "60x80", "--batch-size", "16", *flags,
+                  background=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -1522,6 +1523,19 @@ def build_image(tag: str, dockerfile: str) -> None:
                    env={**os.environ, "DOCKER_BUILDKIT": "0"}, check=True, capture_output=True, timeout=300)
 
 
+def train_worker_nodes(emulated) -> list[str]:
+    """The addresses of the nodes where Ray Train's workers run now (its alive worker actors)."""
+    token = emulated.token()
+    status, actors = emulated.api("/api/v0/actors?limit=1000&detail=false&filter_keys=state"
+                                  "&filter_predicates=%3D&filter_values=ALIVE", token)
+    status_n, nodes = emulated.api("/api/v0/nodes?limit=100&detail=false", token)
+    if status != 200 or status_n != 200:
+        return []
+    ips = {n["node_id"]: n["node_ip"] for n in nodes["data"]["result"]["result"]}
+    return sorted(ips.get(a["node_id"], "?") for a in actors["data"]["result"]["result"]
+                  if "TrainWorker" in a["class_name"])
+
+
 def node3_image(emulated) -> tuple[str, str]:
     """What node-3 records as the image Ray runs, and the image of Ray's running container."""
     recorded = emulated.ssh("node-3", "cat", "/etc/dlcluster/image").stdout.strip()
@@ -1531,8 +1545,7 @@ def node3_image(emulated) -> tuple[str, str]:
 
 @pytest.mark.skipif(os.environ.get("DLC_UPGRADE_TEST") != "1",
                     reason="make upgrade's emulated test (about 10 minutes on 2 cores) does not fit "
-                           "make test's budget yet, and its elastic job's workers are not pinned to node-3 "
-                           "(no restart seen in 3 runs): DLC_UPGRADE_TEST=1 make test-emulated runs it")
+                           "make test's budget yet: DLC_UPGRADE_TEST=1 make test-emulated runs it")
 def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(emulated, tmp_path):
     """make upgrade to an image built from a later commit while an elastic job runs: only node-3
     (the docker node) changes: it is drained, restarted on the new image, checked and let back in;
@@ -1563,15 +1576,18 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     assert old[0] == old[1] == image_id("dlcluster:cpu")
     pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    # long enough to outlast the upgrade's first worker and reach node-3's drain: 10, 20 and 40
-    # epochs of 1500 frames ended within the upgrade's 135 to 177 s (2026-11-26, 2 cores); 16 of
-    # 6000 take about twice as long as 40 of 1500
+    # one worker on each node (STRICT_SPREAD), so node-3 runs one when it is drained: with SPREAD,
+    # three runs put none there and the upgrade restarted no worker; long enough to outlast the
+    # upgrade's walk to node-3 (about 150 s on 2 cores, 2026-11-26)
     epochs = 16
-    job, lines, reader = elastic_run(emulated, name, epochs, limit=6000)
+    job, lines, reader = elastic_run(emulated, name, epochs, 6000, "--placement", "STRICT_SPREAD")
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
         assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
         time.sleep(1)
+    workers = train_worker_nodes(emulated)
+    print(f"the job's workers before the upgrade: {workers}")
+    assert NODES["node-3"] in workers, workers
     try:
         # the job's workers on node-3 get 10 s to end, then restart from the checkpoint
         proc = upgrade(inventory("dlcluster:cpu-next"), ansible="-e ray_upgrade_drain_timeout=10")
