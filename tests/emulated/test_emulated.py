@@ -1,12 +1,13 @@
 """make cluster-up through a real bastion onto the emulated 3-node cluster, then everything an
 operator does with it: the README's job through the tunnel, attach, the running-jobs guard
-failing closed, the engine restarted under Ray, a changed setting and an interrupted run, a second
-operator (their own config folder) while a job runs, whose full run changes nothing, a node that
-goes down and comes back, a node killed mid-run, the head's Ray restarted under a run that make
-resume then resumes, make smoke (after those failures), a changed host key, bad inventories,
-rotate-token, make doctor (healthy, then six faults, then a node quarantined and released), a
-node slowed against the performance baseline the first cluster-up recorded, cluster-down. In file
-order."""
+failing closed, the engine restarted under Ray, a jump host without sudo, a changed setting and
+an interrupted run that rotate-token then converges, a second operator (their own config folder)
+while a job runs, whose full run changes nothing, a node that goes down and comes back, a node
+killed mid-run, the head's Ray restarted under a run that make resume then resumes, make smoke
+(after those failures), a changed host key, bad inventories, make doctor (healthy, then six
+faults, then a node quarantined and released), a node slowed against the performance baseline
+the first cluster-up recorded, a node added and removed, make upgrade under a job (and a broken
+image rolled back), cluster-down. In file order."""
 
 from __future__ import annotations
 
@@ -639,10 +640,39 @@ def test_the_engine_restarts_under_ray_and_ray_goes_on(emulated):
     assert sorted(emulated.wait_for_nodes(3, timeout=60)) == sorted(NODES.values())
 
 
+def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulated, tmp_path):
+    """No service asked of the bastion: cluster-up runs nothing on it (no facts, no become), only
+    connects through it, here through an outer gateway too, while this machine cannot open a
+    connection to the bastion itself. The nodes take their packages from a site proxy (here: the
+    proxy the default inventory runs on the bastion). (A second run that changes nothing is the
+    second operator's test's, on the servers.)"""
+    inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
+                                          f"    dlc_apt_proxy: http://{BASTION_PRIVATE}:3142\n")
+    block = ["OUTPUT", "-d", "172.31.250.10", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
+             "-j", "REJECT"]
+    run(["iptables", "-I", *block], emulated.env, check=True)
+    try:
+        first = emulated.cluster("up", inventory)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+        hosts = recap(first.stdout)
+        assert set(hosts) == {"localhost", *NODES}, hosts  # the bastion is not in any play
+        assert "skipping: no hosts matched" in first.stdout
+        config = emulated.ssh_config.read_text()
+        assert "Port 2222" in config and "User jump" in config and "ProxyJump 172.31.250.20" in config
+        # the gateway's host key recorded at first contact (the bastion's was already known)
+        assert "[172.31.250.20]:2222 " in (emulated.cluster_dir / "known_hosts").read_text()
+        assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+    finally:  # the default way in comes back with the next test's runs (cluster-up, rotate-token)
+        run(["iptables", "-D", *block], emulated.env)
+
+
 def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converges(emulated, tmp_path):
     """A cluster-up that would restart Ray while a job runs stops with one line and leaves Ray (and
     the job) alone; its written files are not forgotten: the next run, stopped mid-way by a signal,
     then run again, converges (the next test: a further full run changes nothing on any server).
+    The run again is make rotate-token (cluster-up with a new token, the same playbook): the new
+    token is on every node and the control host, the old one is refused, and an operator who still
+    has the old one is told in one line to attach, which fetches the new one.
     The job that holds the cluster sleeps: what is proved is that a running job is waited for, not
     training. The changed inventory also renews Ray's TLS certificates (every one is within its
     900 renewal days): each node gets a new one of the same CA, which Ray takes up when it restarts."""
@@ -694,7 +724,13 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     os.killpg(stopped.pid, signal.SIGTERM)
     stopped.communicate(timeout=120)
     assert stopped.returncode != 0
-    again = emulated.cluster("up")
+    old = emulated.token()
+    stale = operator(emulated, tmp_path, "stale", 8280)  # a second operator with the old token
+    folder = Path(stale["DLC_CONFIG"]) / "clusters/emulated"
+    folder.mkdir(parents=True)
+    (folder / "ray_token").write_text(old + "\n")
+    (folder / "ray_token").chmod(0o600)
+    again = emulated.cluster("rotate-token")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     for node in NODES:  # Ray runs with the inventory's setting again, on every node
         args = emulated.ssh(node, "pgrep", "-af", "raylet/raylet").stdout
@@ -706,6 +742,22 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert all(renewed[n][0] != serials[n][0] for n in NODES), (serials, renewed)
     assert all(renewed[n][1] > serials[n][1] + 100 * 86400 for n in NODES), (serials, renewed)
     assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+    # the new token everywhere, never printed; the old one refused
+    new = emulated.token()
+    assert new != old and re.fullmatch(r"[0-9a-f]{64}", new) and new not in again.stdout + again.stderr
+    assert emulated.api("/api/jobs/", old)[0] in (401, 403) and emulated.api("/api/jobs/", new)[0] == 200
+    for node in NODES:
+        assert emulated.ssh(node, "sudo", "cat", "/etc/dlcluster/ray_token").stdout.strip() == new
+    # the operator who still has the old token: one line, nothing changed; attach fetches the new one
+    refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
+    last = refused.stderr.strip().splitlines()[-1]
+    print(last)
+    assert refused.returncode != 0 and "is not the one cluster emulated runs with" in last, last
+    assert "run make attach INVENTORY=" in last and untouched(refused)
+    attached = run(["scripts/cluster.sh", "attach"], stale, timeout=300)
+    close_tunnel(stale)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
+    assert (folder / "ray_token").read_text().strip() == new
 
 
 def tls_serials(emulated) -> dict[str, tuple[str, float]]:
@@ -947,16 +999,11 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         again.stderr, again.stderr
     idle = {port for _, port in listening("dlc-emu-node-1")}
     report = tmp_path / "smoke.json"
-    # the perf step against the baseline, with the thresholds the probes below allow: their docker
-    # execs share this machine's 2 cores with the nodes measured (the default thresholds hold on the
-    # idle cluster, the slowed-node test shows what they name)
-    loose = ("--max-step-slowdown 1 --min-storage-fraction 0.1 --min-link-fraction 0.3 "
-             "--min-busbw-fraction 0.3")
-    # every step but the all-reduce sweep, which the first cluster-up's baseline ran (its fixture;
-    # the perf step measures all-reduce bandwidth too)
-    only = "--only nodes,perf,trainers,proxyjump"
-    smoke = subprocess.Popen(["make", "--no-print-directory", "smoke",
-                              f"SMOKE_ARGS=--json {report} {only} {loose}"],
+    # every step but the all-reduce sweep and the perf step, which the first cluster-up's baseline
+    # ran (its fixture); the perf step's findings are the slowed-node test's, and make upgrade's
+    # test runs it on the upgraded node
+    only = "--only nodes,trainers,proxyjump"
+    smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report} {only}"],
                              cwd=REPO, env=emulated.env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     out_lines: list[str] = []
@@ -981,9 +1028,7 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
           f"outsider reached {sorted(outside)}; the bastion {len(inside)}")
     assert smoke.returncode == 0
     steps = {s["name"]: s for s in json.loads(report.read_text())["steps"]}
-    assert set(steps) == {"nodes", "perf", "trainers", "proxyjump"}
-    assert len(steps["perf"]["details"]["now"]["nodes"]) == 3 and steps["perf"]["details"]["findings"] == []
-    assert Path(steps["perf"]["details"]["plot"]).read_bytes()[:4] == b"\x89PNG"
+    assert set(steps) == {"nodes", "trainers", "proxyjump"}
     for name, step in steps.items():
         assert step["ok"] and not step.get("skipped"), (name, step)
     # every trainer left a verified model, checked on the cluster: one rank per node
@@ -1240,59 +1285,6 @@ def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tm
     assert emulated.ssh("node-2", "test", "-f", "/etc/apt/apt.conf.d/01dlcluster-proxy").returncode == 0
 
 
-def test_a_jump_host_without_sudo_on_another_port_is_only_passed_through(emulated, tmp_path):
-    """No service asked of the bastion: cluster-up runs nothing on it (no facts, no become), only
-    connects through it, here through an outer gateway too, while this machine cannot open a
-    connection to the bastion itself. The nodes take their packages from a site proxy (here: the
-    proxy the default inventory runs on the bastion). (A second run that changes nothing is the
-    second operator's test's, on the servers.)"""
-    inventory = _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"
-                                          f"    dlc_apt_proxy: http://{BASTION_PRIVATE}:3142\n")
-    block = ["OUTPUT", "-d", "172.31.250.10", "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
-             "-j", "REJECT"]
-    run(["iptables", "-I", *block], emulated.env, check=True)
-    try:
-        first = emulated.cluster("up", inventory)
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
-        hosts = recap(first.stdout)
-        assert set(hosts) == {"localhost", *NODES}, hosts  # the bastion is not in any play
-        assert "skipping: no hosts matched" in first.stdout
-        config = emulated.ssh_config.read_text()
-        assert "Port 2222" in config and "User jump" in config and "ProxyJump 172.31.250.20" in config
-        # the gateway's host key recorded at first contact (the bastion's was already known)
-        assert "[172.31.250.20]:2222 " in (emulated.cluster_dir / "known_hosts").read_text()
-        assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
-    finally:  # the default way in comes back with the next test's run (rotate-token writes it)
-        run(["iptables", "-D", *block], emulated.env)
-
-
-def test_rotate_token_replaces_it_everywhere_and_a_stale_client_is_told_to_attach(emulated, tmp_path):
-    old = emulated.token()
-    stale = operator(emulated, tmp_path, "stale", 8280)  # a second operator with the old token
-    folder = Path(stale["DLC_CONFIG"]) / "clusters/emulated"
-    folder.mkdir(parents=True)
-    (folder / "ray_token").write_text(old + "\n")
-    (folder / "ray_token").chmod(0o600)
-    proc = emulated.cluster("rotate-token")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    new = emulated.token()
-    assert new != old and re.fullmatch(r"[0-9a-f]{64}", new) and new not in proc.stdout + proc.stderr
-    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
-    assert emulated.api("/api/jobs/", old)[0] in (401, 403) and emulated.api("/api/jobs/", new)[0] == 200
-    for node in NODES:
-        assert emulated.ssh(node, "sudo", "cat", "/etc/dlcluster/ray_token").stdout.strip() == new
-    # the operator who still has the old token: one line, nothing changed; attach fetches the new one
-    refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
-    last = refused.stderr.strip().splitlines()[-1]
-    print(last)
-    assert refused.returncode != 0 and "is not the one cluster emulated runs with" in last, last
-    assert "run make attach INVENTORY=" in last and untouched(refused)
-    attached = run(["scripts/cluster.sh", "attach"], stale, timeout=300)
-    close_tunnel(stale)
-    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
-    assert (folder / "ray_token").read_text().strip() == new
-
-
 def doctor(emulated) -> tuple[subprocess.CompletedProcess, dict, list[str]]:
     """make doctor on the cluster: its run, its report and its finding lines."""
     proc = run([str(BIN / "python"), "-m", "trainkit.doctor"], emulated.env, timeout=300)
@@ -1543,16 +1535,13 @@ def node3_image(emulated) -> tuple[str, str]:
     return recorded, running.stdout.strip()
 
 
-@pytest.mark.skipif(os.environ.get("DLC_UPGRADE_TEST") != "1",
-                    reason="make upgrade's emulated test (about 10 minutes on 2 cores) does not fit "
-                           "make test's budget yet: DLC_UPGRADE_TEST=1 make test-emulated runs it")
-def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(emulated, tmp_path):
-    """make upgrade to an image built from a later commit while an elastic job runs: only node-3
-    (the docker node) changes: it is drained, restarted on the new image, checked and let back in;
-    node-1 and node-2 keep their Ray processes; the job finishes with a verified model. Then an image
-    whose `ray` cannot start: node-3 does not rejoin, goes back to the previous image by id, and the
-    run stops with one line. Then the original image again, with no job running: the perf step
-    checks node-3 against its baseline."""
+def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running_job(emulated, tmp_path):
+    """make upgrade to an image built from a later commit: only node-3 (the docker node) changes: it
+    is drained, restarted on the new image, checked (make doctor for it, the perf step against its
+    baseline) and let back in; node-1 and node-2 keep their Ray processes. Then, while an elastic
+    job runs with a worker on each node, an image whose `ray` cannot start: node-3 is drained (its
+    worker stopped), does not rejoin, goes back to the previous image by id and rejoins, the run
+    stops with one line, and the job finishes from its checkpoint with a verified model."""
     build_image("dlcluster:cpu-next", f"FROM dlcluster:cpu\nLABEL dlc.upgrade={time.time_ns()}\n")
     build_image("dlcluster:cpu-broken", "FROM dlcluster:cpu\nUSER root\nRUN printf '#!/bin/sh\\n"
                 "echo broken on purpose >&2\\nexit 1\\n' > /opt/venv/bin/ray\nUSER 1000\n")
@@ -1575,64 +1564,62 @@ def test_make_upgrade_rolls_a_new_image_under_a_job_and_rolls_a_broken_one_back(
     old = node3_image(emulated)
     assert old[0] == old[1] == image_id("dlcluster:cpu")
     pids = ray_pids(emulated)
+    # a later image, no job running: node-3 measured against the baseline too (its CPU step; this
+    # machine's 2 cores are shared by all three nodes)
+    proc = upgrade(inventory("dlcluster:cpu-next"), smoke="--max-step-slowdown 2 --min-storage-fraction 0.05")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "upgrade: cluster emulated runs what" in proc.stdout
+    said = " ".join(proc.stdout.split())  # Ansible's YAML output wraps long lines
+    assert re.search(r"node-3: checked after its restart: back in Ray, make doctor found nothing on it; "
+                     r"perf step: PASS perf [\d.]+ s 1 nodes, \d+ links measured; against ", said), \
+        proc.stdout[-3000:]
+    new = image_id("dlcluster:cpu-next")
+    assert node3_image(emulated) == (new, new) and new != old[0]
+    after = ray_pids(emulated)
+    assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
+    assert after["node-3"] != pids["node-3"]
+    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+
+    # an image whose Ray cannot start, under a job with a worker on each node (STRICT_SPREAD, so
+    # node-3 runs one when it is drained: with SPREAD, three runs put none there); long enough to
+    # outlast the upgrade's walk to node-3 (16 epochs: node-3's drain came after epoch 14, 2 cores)
+    pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    # one worker on each node (STRICT_SPREAD), so node-3 runs one when it is drained: with SPREAD,
-    # three runs put none there and the upgrade restarted no worker; long enough to outlast the
-    # upgrade's walk to node-3 (about 150 s on 2 cores, 2026-11-26)
-    epochs = 16
+    epochs = 20
     job, lines, reader = elastic_run(emulated, name, epochs, 6000, "--placement", "STRICT_SPREAD")
     deadline = time.time() + 600
-    while not registered(emulated, name):  # a checkpoint to go on from when node-3's workers stop
+    while not registered(emulated, name):  # a checkpoint to go on from when node-3's worker stops
         assert time.time() < deadline and job.poll() is None, "".join(lines[-40:])
         time.sleep(1)
     workers = train_worker_nodes(emulated)
     print(f"the job's workers before the upgrade: {workers}")
     assert NODES["node-3"] in workers, workers
     try:
-        # the job's workers on node-3 get 10 s to end, then restart from the checkpoint
-        proc = upgrade(inventory("dlcluster:cpu-next"), ansible="-e ray_upgrade_drain_timeout=10")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-        assert "upgrade: cluster emulated runs what" in proc.stdout
-        job.wait(timeout=1200)  # still running or not, its manifest below says node-3's workers stopped
+        # the job's worker on node-3 gets 10 s to end, then restarts from the checkpoint
+        proc = upgrade(inventory("dlcluster:cpu-broken"),
+                       ansible="-e ray_join_timeout=45 -e ray_upgrade_drain_timeout=10")
+        job.wait(timeout=1200)
     finally:
         if job.poll() is None:
             job.kill()
-    reader.join(timeout=30)
-    out = "".join(lines)
-    assert job.returncode == 0 and "succeeded" in out, out[-3000:]
-    m = published(emulated, name)
-    assert m["metrics"]["epoch"] == epochs and m["parity"]["max_abs_diff"] <= 1e-4, m
-    # its workers on node-3 were stopped (none: the job ended before the upgrade reached node-3)
-    assert m["restarts"]["count"] >= 1, m["restarts"]
-    print(f"the job under the upgrade: {m['restarts']} , world size {m['world_size']}")
-    new = image_id("dlcluster:cpu-next")
-    assert node3_image(emulated) == (new, new)
-    after = ray_pids(emulated)
-    assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
-    assert after["node-3"] != pids["node-3"]
-    assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
-
-    # an image whose Ray cannot start: node-3 back on the image it ran, the others untouched
-    pids = ray_pids(emulated)
-    proc = upgrade(inventory("dlcluster:cpu-broken"), ansible="-e ray_join_timeout=45")
     # make's own error line is "make: ***" or, under another make (make test), "make[1]: ***"
     last = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: ", line)][-1]
     assert proc.returncode != 0
     assert ("node-3: upgraded, then its check failed (its Ray did not join the head within 45 s after the "
             f"restart): rolled back to its previous image {new[:19]}, back in Ray; the nodes after it were "
             "not upgraded") in last, proc.stderr[-3000:]
+    assert "node-3 still runs work after 10 s: its Ray restarts now" in " ".join(proc.stdout.split())
     assert node3_image(emulated) == (new, new)
     after = ray_pids(emulated)
     assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
-    assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
-
-    # back to the image the tier began with, no job running: the perf step checks node-3 (its
-    # CPU step against the baseline; this machine's 2 cores are shared by all three nodes)
-    proc = upgrade(INVENTORY, smoke="--max-step-slowdown 2 --min-storage-fraction 0.05")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "[smoke] perf: 1 node(s) measured" in proc.stdout, proc.stdout[-3000:]
-    assert node3_image(emulated) == old
     assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+    reader.join(timeout=30)
+    out = "".join(lines)
+    assert job.returncode == 0 and "succeeded" in out, out[-3000:]
+    m = published(emulated, name)
+    print(f"the job under the upgrade: {m['restarts']}, world size {m['world_size']}")
+    assert m["metrics"]["epoch"] == epochs and m["parity"]["max_abs_diff"] <= 1e-4, m
+    assert m["restarts"]["count"] >= 1 and m["restarts"]["resumed_after_epochs"][0] >= 1, m["restarts"]
 
 
 def test_the_token_and_the_push_password_are_never_printed(emulated):
