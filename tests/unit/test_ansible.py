@@ -619,3 +619,28 @@ def test_the_nfs_export_names_each_worker_and_no_one_else():
     # a head-only cluster exports nothing (an exports line without a client exports to everyone)
     tasks = (REPO / "ansible/roles/shared_storage/tasks/main.yml").read_text()
     assert "and shared_storage_clients | length > 0" in tasks
+
+
+ARITHMETIC = re.compile(r"\b([a-z_][a-z0-9_.]*)\s*[/*+]\s*\d")
+
+
+def arithmetic_on_uncast_variables(text: str) -> list[str]:
+    """Jinja expressions that divide, multiply or add a variable and a number without casting the
+    variable first (`| int`, `| float`): `-e name=45` on the command line gives a string there."""
+    found = []
+    for expr in re.findall(r"\{\{(.*?)\}\}", text, re.S):
+        expr = re.sub(r"'[^']*'|\"[^\"]*\"", "''", expr)  # not inside string literals
+        found += [m.group(0) for m in ARITHMETIC.finditer(expr) if m.group(1) not in ("int", "float")]
+    return found
+
+
+def test_numbers_given_on_the_command_line_are_cast_before_arithmetic():
+    """make upgrade ANSIBLE_ARGS="-e ray_join_timeout=45" once failed in its rollback, on
+    `(ray_join_timeout / 3) | int`: a variable from -e is a string. Every such expression in the
+    playbooks and templates casts first."""
+    assert arithmetic_on_uncast_variables('retries: "{{ (ray_join_timeout / 3) | int }}"') == \
+        ["ray_join_timeout / 3"]
+    assert arithmetic_on_uncast_variables('retries: "{{ (ray_join_timeout | int / 3) | int }}"') == []
+    found = {str(p.relative_to(ANSIBLE)): arithmetic_on_uncast_variables(p.read_text())
+             for p in sorted(ANSIBLE.rglob("*")) if p.suffix in (".yml", ".j2") and p.is_file()}
+    assert {k: v for k, v in found.items() if v} == {}
