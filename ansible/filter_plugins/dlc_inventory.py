@@ -19,7 +19,8 @@ PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir",
 PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 # whole numbers >= low ("" means "Ray decides" for the resources)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
-           "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "dlc_registry_keep": 1, "ray_tls_days": 2,
+           "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "ray_upgrade_drain_timeout": 1,
+           "ray_remove_timeout": 1, "dlc_registry_keep": 1, "ray_tls_days": 2,
            "ray_tls_renew_days": 1, "ray_tls_ca_days": 2}
 PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",

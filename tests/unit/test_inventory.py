@@ -110,6 +110,8 @@ BAD = [
     ("registry-keep-zero", on(VARS, "    dlc_registry_keep: 0\n"),
      "dlc_registry_keep is '0': it must be a whole number of at least 1"),
     ("tls-days-zero", on(VARS, "    ray_tls_days: 0\n"), "ray_tls_days is '0': it must be a whole number"),
+    ("drain-timeout-a-word", on(VARS, "    ray_upgrade_drain_timeout: soon\n"),
+     "ray_upgrade_drain_timeout is 'soon': it must be a whole number of at least 1"),
     ("tls-renew-after-the-end", on(VARS, "    ray_tls_days: 30\n    ray_tls_renew_days: 30\n"),
      "ray_tls_renew_days 30 is not below ray_tls_days 30"),
     ("blacklist-a-string", on(VARS, "    nvidia_unattended_upgrades_blacklist: nvidia\n"),
