@@ -71,9 +71,7 @@ class TFCNN(KerasJob):
     batch_size, epochs, lr = 16, 2, 1e-4
 
     def add_flags(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--strategy", default="auto", choices=["auto", "multiworker", "mirrored"],
-                       help="auto: MultiWorkerMirroredStrategy under Ray or TF_CONFIG, "
-                            "MirroredStrategy alone; mirrored: this one process (--launcher local)")
+        super().add_flags(p)  # --strategy (mirrored, multiworker, ps), --num-ps
         p.add_argument("--data", default=None,
                        help="a folder with exactly two sub-folders of images, one per class; "
                             "default: crops of scikit-learn's two sample photographs (temple vs flower)")
@@ -130,18 +128,8 @@ class TFCNN(KerasJob):
 
         return dataset(config.train, True), dataset(config.val, False)
 
-    def launcher(self, args) -> str:
-        if args.strategy == "mirrored":
-            args.launcher = "local"
-        launcher = super().launcher(args)
-        if args.strategy == "multiworker" and launcher == "local":
-            raise UserError("--strategy multiworker needs several processes: submit to Ray, or start "
-                            "one process per worker with TF_CONFIG; or use --strategy mirrored")
-        return launcher
-
     def manifest(self, config: CNNConfig, run) -> dict:
-        return {"classes": config.classes,
-                "strategy": "mirrored" if run.launcher == "local" else "multiworker"}
+        return {"classes": config.classes}
 
     def held_out(self, config: CNNConfig) -> np.ndarray:
         x, _, _ = load_images(config.data, config.per_class)

@@ -24,11 +24,12 @@ import numpy as np
 
 from . import launch
 from .errors import UserError
-from .flags import UseGpu
+from .flags import UseGpu, positive_int
 from .job import Job, JobConfig, Run
 from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
+from .store import FolderStore
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -65,6 +66,7 @@ class KerasWorld:
             else:
                 self.rank, self.size, _ = launch.world_from_env(launcher)
         self.num_replicas = self.strategy.num_replicas_in_sync  # devices over all workers
+        self.strategy_name = "mirrored" if launcher == "local" else "multiworker"
 
     @property
     def device_kind(self) -> str:
@@ -91,6 +93,10 @@ class KerasWorld:
     def shutdown(self) -> None:
         pass
 
+    def record(self) -> dict:
+        """What the manifest says of the strategy."""
+        return {"strategy": self.strategy_name}
+
 
 class KerasJob(Job):
     """A tf-keras job: the subclass gives model(), compile() and datasets()."""
@@ -103,6 +109,41 @@ class KerasJob(Job):
     # GPU image gives TF jobs' workers a virtualenv of their own and names it here
     worker_python_env = "DLC_TF_PYTHON"
 
+    def add_flags(self, p) -> None:
+        """The strategy flags every Keras job has; a job's own flags come after (super() first)."""
+        p.add_argument("--strategy", default="auto", choices=["auto", "multiworker", "mirrored", "ps"],
+                       help="auto: MultiWorkerMirroredStrategy under Ray or TF_CONFIG (ParameterServer"
+                            "Strategy where TF_CONFIG names ps tasks), MirroredStrategy alone; "
+                            "mirrored: this one process (--launcher local); ps: ParameterServerStrategy "
+                            "(a chief, --num-ps parameter servers, --num-workers workers)")
+        p.add_argument("--num-ps", type=positive_int, default=1,
+                       help="parameter servers of a --strategy ps run on Ray (one per node)")
+
+    def launcher(self, args) -> str:
+        """The launcher, checked against --strategy (one line for a pair that cannot run)."""
+        from .parameter_servers import read_tf_config
+
+        if args.strategy == "mirrored":
+            args.launcher = "local"
+        launcher = super().launcher(args)
+        if args.strategy in ("multiworker", "ps") and launcher == "local":
+            raise UserError(f"--strategy {args.strategy} needs several processes: submit to Ray, or "
+                            + ("start its roles with `python -m trainkit.parameter_servers -- python "
+                               "<job> --strategy ps`" if args.strategy == "ps" else
+                               "start one process per worker with TF_CONFIG")
+                            + "; or use --strategy mirrored")
+        if launcher == "tf_config":
+            ps_cluster = read_tf_config() is not None
+            if args.strategy == "auto":
+                args.strategy = "ps" if ps_cluster else "multiworker"
+            elif ps_cluster != (args.strategy == "ps"):
+                raise UserError(f"--strategy {args.strategy} but TF_CONFIG "
+                                + ("names parameter servers (ps tasks): use --strategy ps or auto"
+                                   if ps_cluster else "names no parameter servers: start the roles "
+                                   "with `python -m trainkit.parameter_servers`, or use --strategy "
+                                   "multiworker"))
+        return launcher
+
     def model(self, config: JobConfig):
         raise NotImplementedError
 
@@ -113,8 +154,28 @@ class KerasJob(Job):
         """(training, validation) tf.data sets, batched by `global_batch`."""
         raise NotImplementedError
 
-    def world(self, launcher: str, use_gpu: UseGpu) -> KerasWorld:
-        return KerasWorld(launcher, use_gpu)
+    def world(self, launcher: str, use_gpu: UseGpu):
+        """KerasWorld; under TF_CONFIG with parameter servers, the chief's PSWorld, while a parameter
+        server or worker serves here until it is stopped (it never returns)."""
+        from . import parameter_servers as ps
+
+        found = ps.read_tf_config() if launcher == "tf_config" else None
+        if found is None:
+            return KerasWorld(launcher, use_gpu)
+        cluster, role, index = found
+        if role != "chief":
+            ps.serve_until_stopped(self.name, cluster, role, index, use_gpu)
+        return ps.PSWorld(self.name, cluster, use_gpu)
+
+    def store(self, run: Run, config: JobConfig, world):
+        """A parameter-server run keeps its checkpoints in the run's folder, on Ray too (Ray Train
+        does not run it)."""
+        from .parameter_servers import PSWorld
+
+        if isinstance(world, PSWorld):
+            return FolderStore(self.name, run.name, self.signature(config), world.rank,
+                               run.storage_path, world.barrier, keep=run.keep_checkpoints)
+        return super().store(run, config, world)
 
     def fit(self, run: Run, config: JobConfig, world: KerasWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
@@ -125,9 +186,15 @@ class KerasJob(Job):
             start = self.resume(store, run, world, lambda folder: load(model, folder))
         if start is None:
             return
+        if world.strategy_name == "ps":
+            from . import parameter_servers
+
+            parameter_servers.fit(self, run, config, world, model, store, start)
+            return
         global_batch = run.batch_size * world.num_replicas
         train, val = self.datasets(config, global_batch, world.num_replicas)
-        report = EpochReport(self, run, world, store, self.train_size(config) // global_batch * global_batch)
+        report = StepTimedReport(self, run, world, store,
+                                 self.train_size(config) // global_batch * global_batch)
         model.fit(train, validation_data=val, epochs=run.epochs, initial_epoch=start,
                   callbacks=[report], verbose=0)
 
@@ -170,23 +237,26 @@ except ImportError:  # pragma: no cover - only where TensorFlow is missing
 
 
 class EpochReport(_Callback):
-    """Times each phase, checks the replicas, prints rank 0's line and saves the checkpoint."""
+    """Times each phase, checks the replicas, prints rank 0's line and saves the checkpoint.
 
-    def __init__(self, job: KerasJob, run: Run, world: KerasWorld, store, samples: int):
+    With `validate` (parameter servers, where Keras allows no batch-level callbacks and `fit`
+    does not validate): the epoch's steps are timed whole, as processing, the first step is
+    reported at the first epoch's end, and `validate()` gives the val_ metrics."""
+
+    def __init__(self, job: KerasJob, run: Run, world: KerasWorld, store, samples: int, validate=None):
         super().__init__()
         self.job, self.run, self.world, self.store, self.samples = job, run, world, store, samples
+        self.validate = validate
         self.first_step_reported = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.t0 = time.perf_counter()
         self.processing = self.validation = 0.0
         self.val_t0 = None
+        if events := getattr(self.world, "events", None):
+            events.epoch = epoch + 1
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self.b0 = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.processing += time.perf_counter() - self.b0
+    def first_step(self) -> None:
         if not self.first_step_reported:
             self.first_step_reported = True
             self.job.report_first_step(self.run, self.world)
@@ -198,16 +268,34 @@ class EpochReport(_Callback):
         self.validation = time.perf_counter() - self.val_t0
 
     def on_epoch_end(self, epoch, logs=None):
+        metrics = {k: float(v) for k, v in (logs or {}).items()}
+        if self.validate is not None:
+            self.processing = time.perf_counter() - self.t0
+            self.first_step()
+            self.val_t0 = time.perf_counter()
+            metrics.update(self.validate())
+            self.validation = time.perf_counter() - self.val_t0
         end = time.perf_counter()
         train_s = (end - self.t0) - self.validation
-        metrics = {k: float(v) for k, v in (logs or {}).items()}
         metrics.update(epoch=epoch + 1, world_size=self.world.size, device="gpu" if self.world.use_gpu
                        else "cpu", worker_python=sys.executable, launcher=self.run.launcher,
                        dataflow_s=train_s - self.processing, processing_s=self.processing,
                        validation_s=self.validation, epoch_s=end - self.t0,
                        samples_per_s=self.samples / train_s)
-        check = check_replicas_agree(self.world.gather(describe_rank(self.model.get_weights())))
+        check = {**check_replicas_agree(self.world.gather(describe_rank(self.model.get_weights()))),
+                 **self.world.record()}
         if self.world.rank == 0:
             say_epoch(self.job.name, epoch + 1, self.run.epochs, metrics)
             export_epoch(self.job.name, self.run.name, metrics, self.run.attempts)
         self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)
+
+
+class StepTimedReport(EpochReport):
+    """EpochReport that also times each step (where Keras allows batch-level callbacks)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.b0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.processing += time.perf_counter() - self.b0
+        self.first_step()

@@ -5,18 +5,21 @@ TensorflowTrainer) whose workers run `ray_worker`, and publishes from the final 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import cluster, flags
+from .errors import UserError
 from .job import Job, Run, Timeline
 from .onnx_export import Published
 from .progress import say
 from .publish import prepare_publishing, publish
-from .store import hold_run, precheck
+from .store import FolderStore, Restored, hold_run, precheck
 
 
 class Attempts:
@@ -47,18 +50,29 @@ def restarts_summary(starts: list[dict]) -> dict:
 
 def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
     flags.resolve(args, job.name)
-    trainer_class = ray_trainer_class(job.trainer)  # before anything imports Ray Train
-    config = job.prepare(args)
+    # TensorFlow's ParameterServerStrategy: its roles are the harness's actors, not a Ray trainer's
+    parameter_servers = getattr(args, "strategy", None) == "ps"
+    if parameter_servers and isinstance(args.num_workers, tuple):
+        raise UserError(f"--num-workers {'-'.join(map(str, args.num_workers))}: a parameter-server run "
+                        f"goes on with fewer workers by itself; give one count, e.g. --num-workers "
+                        f"{args.num_workers[1]}")
+    trainer_class = None if parameter_servers else ray_trainer_class(job.trainer)  # before anything
+    config = job.prepare(args)  # imports Ray Train
     totals, nodes = cluster.connect(job.worker_python_env)
     plan = cluster.plan_workers(args.num_workers, args.use_gpu, totals, nodes,
                                 placement=args.placement, elastic=job.trainer != "horovod")
+    if parameter_servers:
+        from .parameter_servers import check_roles
+
+        check_roles(plan.num_workers, args.num_ps, nodes)
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
     cluster.check_storage(args.storage_path)
     precheck(args.storage_path, job.name, args.name, job.signature(config))
     with hold_run(args.storage_path, args.name):  # a second run of this --name: one line
         attempts = cluster.on_this_node(Attempts)
         run = Run.from_flags(job, args, "ray", plan.use_gpu, attempts=attempts)
-        say(job.name, f"run {run.name}: {job.describe(config)}; {plan.describe()}, batch "
+        roles = f", {args.num_ps} parameter server(s) and a chief" if parameter_servers else ""
+        say(job.name, f"run {run.name}: {job.describe(config)}; {plan.describe()}{roles}, batch "
                       f"{run.batch_size} per worker, {run.epochs} epoch(s); storage {run.storage_path}")
         timeline = Timeline()
         timeline.mark_prepared()
@@ -77,29 +91,43 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
 
         held_out = ThreadPoolExecutor(1, thread_name_prefix="publish-ahead").submit(
             prepare_publishing, job, config, attempts)
-        trainer = trainer_class(
-            ray_worker, train_loop_config={"job": job, "run": run, "config": config},
-            scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
-            run_config=cluster.run_config(run.name, run.storage_path, keep=args.keep_checkpoints,
-                                          max_failures=args.max_failures),
-            **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
-        )
-        result = trainer.fit()
-        if result.checkpoint is None:
-            raise RuntimeError(f"run {run.name} finished without a checkpoint")
+        if parameter_servers:
+            from .parameter_servers import fit_on_ray
+
+            fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
+            final = FolderStore(job.name, run.name, job.signature(config), 0, run.storage_path,
+                                barrier=lambda: None).latest()
+        else:
+            trainer = trainer_class(
+                ray_worker, train_loop_config={"job": job, "run": run, "config": config},
+                scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
+                run_config=cluster.run_config(run.name, run.storage_path, keep=args.keep_checkpoints,
+                                              max_failures=args.max_failures),
+                **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
+            )
+            final = ray_checkpoint(trainer.fit(), run.name)
         import ray
 
         restarts = restarts_summary(ray.get(attempts.all.remote()))
         first_start = restarts["attempts"][0] if restarts["attempts"] else {}
         timeline.workers_started_at = first_start.get("started_at")
         timeline.first_step_at = first_start.get("first_step_at")
-        with result.checkpoint.as_directory() as d:
-            published = publish(job, run, config, Path(d), result.checkpoint.path, restarts, timeline,
+        with final as last:
+            published = publish(job, run, config, last.folder, last.where, restarts, timeline,
                                 held_out.result())
         say(job.name, f"run {run.name}: {restarts['count']} restart(s)" + (
             f", resumed after epoch(s) {', '.join(map(str, restarts['resumed_after_epochs']))}"
             if restarts["count"] else ""))
         return published
+
+
+@contextlib.contextmanager
+def ray_checkpoint(result, name: str) -> Iterator[Restored]:
+    """A Ray trainer's final checkpoint, opened as a local folder."""
+    if result.checkpoint is None:
+        raise RuntimeError(f"run {name} finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:
+        yield Restored(Path(d), result.checkpoint.path, {})
 
 
 def ray_worker(loop_config: dict) -> None:

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import strategies  # tests/bench/strategies.py, beside this file
+
 from trainkit import launch, plots, record
 from trainkit.errors import UserError, run_main
 
@@ -75,11 +77,16 @@ def plain(job: str, args: list[str], home: Path) -> list[subprocess.Popen]:
             for tf_config in launch.local_tf_configs(2)]
 
 
-def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[subprocess.Popen]:
+def ray_job(argv: list[str], current: record.ClusterRecord) -> list[subprocess.Popen]:
+    """`ray job submit` of a script of the checkout and its flags to the current cluster."""
     cmd = [str(BIN / "ray"), "job", "submit", "--address", current.job_api, "--working-dir", ".",
-           "--", "python", f"jobs/{job}.py", "--num-workers", "2", *args]
+           "--", "python", *argv]
     return [subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **current.client_env()},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+
+
+def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[subprocess.Popen]:
+    return ray_job([f"jobs/{job}.py", "--num-workers", "2", *args], current)
 
 
 def measure(job: str, launcher: str, a, current, work: Path, i: int,
@@ -286,14 +293,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="TensorFlow: N built-in images per class (0: the bench's 64)")
     p.add_argument("--folder-scale", type=int, default=0, metavar="N",
                    help="also time a folder of N JPEGs against the built-in frames (0: skip)")
+    p.add_argument("--strategy-epochs", type=int, default=3, metavar="N",
+                   help="TensorFlow: MultiWorkerMirrored against ParameterServer on Ray, N epochs each, "
+                        "worker 1 at full speed and slowed (0: skip)")
+    p.add_argument("--slow-share", type=float, default=0.5,
+                   help="the share of the time the slowed worker may run")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.png "
                                                "(default: $DLC_HOME/bench/<date-time>)")
     a = p.parse_args(argv)
     jobs = [j for j in a.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
-    if unknown or a.repeats < 1 or a.epochs < 1 or min(a.folder_scale, a.mnist_train, a.tf_per_class) < 0:
-        raise UserError(f"--jobs must name some of {', '.join(JOBS)}, --repeats/--epochs be >= 1 and "
-                        "--mnist-train/--tf-per-class/--folder-scale >= 0")
+    if unknown or a.repeats < 1 or a.epochs < 1 or min(a.folder_scale, a.mnist_train, a.tf_per_class,
+                                                        a.strategy_epochs) < 0 or not 0 < a.slow_share < 1:
+        raise UserError(f"--jobs must name some of {', '.join(JOBS)}, --repeats/--epochs be >= 1, "
+                        "--mnist-train/--tf-per-class/--folder-scale/--strategy-epochs >= 0 and "
+                        "--slow-share between 0 and 1")
     if a.limit:
         JOBS["ddp_autoencoder"] = [*JOBS["ddp_autoencoder"], "--limit", str(a.limit)]
     if a.mnist_train and "horovod_mnist" in jobs:
@@ -318,18 +332,28 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"[bench]   first step after {r['launch_to_first_step_s']:.1f} s, epoch "
                           f"{r['train_epoch_s']:.1f} s, wall {r['wall_s']:.1f} s", flush=True)
         scale = folder_scale(a.folder_scale, a, current, Path(tmp)) if a.folder_scale else None
+        compared = None
+        if a.strategy_epochs:
+            compared = strategies.compare([*JOBS["tf_cnn"], "--epochs", str(a.strategy_epochs)], a.slow_share,
+                                          lambda argv: ray_job(argv, current), Path(tmp))
     summary = summarize(runs) if jobs else {}
     text = table(summary)
     print("\n" + text)
     if runs:
         print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
+    if compared:
+        print("\nTensorFlow's strategies, worker 1 at full speed and slowed:\n" + strategies.table(compared))
     (out / "bench.json").write_text(json.dumps({"cluster": current.name, "machine": host,
-                                                "epochs": a.epochs,
-                                                "summary": summary, "runs": runs, "folder_scale": scale},
+                                                "epochs": a.epochs, "summary": summary, "runs": runs,
+                                                "folder_scale": scale, "strategies": compared},
                                                indent=2) + "\n")
     if summary:
         plot(summary, out / "bench.png")
-    print(f"\n[bench] {out / 'bench.json'}\n[bench] {out / 'bench.png'}")
+        print(f"\n[bench] {out / 'bench.png'}")
+    if compared:
+        strategies.plot(compared, out / "strategies.png")
+        print(f"[bench] {out / 'strategies.png'}")
+    print(f"[bench] {out / 'bench.json'}")
 
 
 if __name__ == "__main__":
