@@ -1,12 +1,14 @@
 """A binary image classifier (a 150x150x3 CNN) under TensorFlow's distribution strategies.
 
-The model is the one of the TensorFlow distributed-training tutorial (MirroredStrategy, then
-MultiWorkerMirroredStrategy). The same file trains on the cluster, across processes that a
-TF_CONFIG describes, and in one process:
+The model is the one of the TensorFlow distributed-training tutorial (MirroredStrategy,
+MultiWorkerMirroredStrategy, ParameterServerStrategy). The same file trains on the cluster,
+across processes that a TF_CONFIG describes, and in one process:
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/tf_cnn.py
+    ray job submit ... -- python jobs/tf_cnn.py --strategy ps   # a chief, parameter servers, workers
     TF_CONFIG='{"cluster": {"worker": ["host1:12345", "host2:12345"]},
                "task": {"type": "worker", "index": 0}}' python jobs/tf_cnn.py  # one per worker
+    python -m trainkit.parameter_servers --workers 2 --ps 1 -- python jobs/tf_cnn.py --strategy ps
     python jobs/tf_cnn.py         # MirroredStrategy over this process's devices
 
 Keras is tf-keras (Keras 2): Keras 3's fit() breaks under MultiWorkerMirroredStrategy.

@@ -37,8 +37,9 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
     run = Run.from_flags(job, args, launcher, world.use_gpu, timeline=timeline)
     timeline.mark_prepared()
     if world.rank == 0:
-        say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {world.size} "
-                      f"process(es) on {world.device_kind}, batch {run.batch_size} per process, "
+        who = world.describe() if hasattr(world, "describe") else f"{world.size} process(es)"
+        say(job.name, f"run {run.name} under {launcher}: {job.describe(config)}; {who} "
+                      f"on {world.device_kind}, batch {run.batch_size} per process, "
                       f"{run.epochs} epoch(s); storage {run.storage_path}")
     # rank 0 holds the run's folder: a second run of this --name is one line (its ranks then stop)
     with hold_run(run.storage_path, run.name) if world.rank == 0 else contextlib.nullcontext():

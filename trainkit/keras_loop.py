@@ -2,8 +2,10 @@
 
 MultiWorkerMirroredStrategy when several processes train (Ray's TensorflowTrainer sets TF_CONFIG
 for its workers; a user sets it for a plain multi-worker run), MirroredStrategy over the local
-devices when one process does. Keras is tf-keras (Keras 2): Keras 3's `fit` breaks under
-MultiWorkerMirroredStrategy, and Ray's trainer sets TF_USE_LEGACY_KERAS=1 on its workers.
+devices when one process does, ParameterServerStrategy with --strategy ps (`parameter_servers`:
+its roles, and `fit` on its chief). Keras is tf-keras (Keras 2): Keras 3's
+`fit` breaks under MultiWorkerMirroredStrategy, and Ray's trainer sets TF_USE_LEGACY_KERAS=1 on
+its workers.
 
 This module imports nothing of torch, so a TensorFlow job's processes never load torch's CUDA
 libraries.

@@ -64,7 +64,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
     if parameter_servers:
         from .parameter_servers import check_roles
 
-        check_roles(plan.num_workers, args.num_ps, nodes)
+        check_roles(args.num_ps, nodes)
     cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
     cluster.check_storage(args.storage_path)
     precheck(args.storage_path, job.name, args.name, job.signature(config))

@@ -121,7 +121,7 @@ def serve_until_stopped(job: str, cluster: dict, role: str, index: int, use_gpu:
     server.join()
 
 
-def check_roles(num_workers: int, num_ps: int, nodes: int) -> None:
+def check_roles(num_ps: int, nodes: int) -> None:
     """What the cluster must have room for besides the workers (plan_workers checks those): one
     node for each parameter server, so that their traffic spreads too."""
     if num_ps < 1:
@@ -130,8 +130,6 @@ def check_roles(num_workers: int, num_ps: int, nodes: int) -> None:
     if num_ps > nodes:
         raise UserError(f"--num-ps {num_ps} is more than the cluster's {nodes} node(s), and each "
                         f"parameter server takes a node of its own; use --num-ps <= {nodes}")
-    if num_workers < 1:
-        raise UserError(f"--num-workers {num_workers} must be at least 1")
 
 
 # ------------------------------------------------------------------ the chief's world
@@ -199,6 +197,10 @@ class PSWorld:
     def device_kind(self) -> str:
         return "GPU" if self.use_gpu else "CPU"
 
+    def describe(self) -> str:
+        """Who trains, for the run's first line."""
+        return f"{self.size} worker(s), {len(self.cluster['ps'])} parameter server(s) and a chief"
+
     def gather(self, value: str) -> list[str]:
         return [value]
 
@@ -244,18 +246,17 @@ def fit(job, run, config, world: PSWorld, model, store, start: int) -> None:
     _, val = job.datasets(config, run.batch_size, 1)  # on the chief, outside the strategy
     plain = keras.models.clone_model(model)
     job.compile(plain, run.lr)
-    validator = ThreadPoolExecutor(1, thread_name_prefix="validate")  # no strategy scope there
+    # fit's strategy scope is the thread's: a thread of its own evaluates the plain copy
+    with ThreadPoolExecutor(1, thread_name_prefix="validate") as validator, watching_workers(world):
 
-    def validate() -> dict:
-        plain.set_weights(model.get_weights())
-        logs = validator.submit(plain.evaluate, val, verbose=0, return_dict=True).result()
-        return {f"val_{k}": float(v) for k, v in logs.items()}
+        def validate() -> dict:
+            plain.set_weights(model.get_weights())
+            logs = validator.submit(plain.evaluate, val, verbose=0, return_dict=True).result()
+            return {f"val_{k}": float(v) for k, v in logs.items()}
 
-    report = EpochReport(job, run, world, store, steps * run.batch_size, validate=validate)
-    with watching_workers(world):
+        report = EpochReport(job, run, world, store, steps * run.batch_size, validate=validate)
         model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=run.epochs,
                   initial_epoch=start, steps_per_epoch=steps, callbacks=[report], verbose=0)
-    validator.shutdown()
 
 
 # ------------------------------------------------------------------ on Ray
@@ -440,11 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
 
-    def start() -> None:
-        check_roles(args.workers, args.ps, nodes=args.ps)
-        sys.exit(launch_locally(args.workers, args.ps, command))
-
-    run_main(start, "parameter_servers")
+    run_main(lambda: sys.exit(launch_locally(args.workers, args.ps, command)), "parameter_servers")
 
 
 if __name__ == "__main__":

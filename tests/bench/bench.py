@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
             compared = strategies.compare([*JOBS["tf_cnn"], "--epochs", str(a.strategy_epochs)], a.slow_share,
                                           lambda argv: ray_job(argv, current), Path(tmp))
     summary = summarize(runs) if jobs else {}
-    text = table(summary)
-    print("\n" + text)
+    if summary:
+        print("\n" + table(summary))
     if runs:
         print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
     if compared:

@@ -41,7 +41,8 @@ def run(strategy: str, share: float | None, args: list[str], submit: Callable, w
     metrics = m["metrics"]
     return {"strategy": strategy, "slowed_share": share, "epochs": metrics["epoch"],
             "train_epoch_s": metrics["dataflow_s"] + metrics["processing_s"],
-            "val_accuracy": metrics["val_accuracy"], "samples_per_s": metrics["samples_per_s"],
+            "val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"],
+            "samples_per_s": metrics["samples_per_s"],
             "wall_s": wall, "workers": m["world_size"], "roles": m.get("roles"),
             "throttled": [line for line in held.splitlines() if line.startswith("[throttle]")]}
 
@@ -54,8 +55,8 @@ def compare(args: list[str], share: float, submit: Callable, work: Path) -> dict
             print(f"[bench] tf_cnn --strategy {strategy}, worker 1 at "
                   f"{f'{slowed:.0%} of the CPU' if slowed else 'full speed'} ...", flush=True)
             r = run(strategy, slowed, args, submit, work)
-            print(f"[bench]   epoch {r['train_epoch_s']:.1f} s, val accuracy {r['val_accuracy']:.3f}",
-                  flush=True)
+            print(f"[bench]   epoch {r['train_epoch_s']:.1f} s, val accuracy {r['val_accuracy']:.3f}, "
+                  f"val loss {r['val_loss']:.4f}", flush=True)
             runs.append(r)
     by = {(r["strategy"], bool(r["slowed_share"])): r for r in runs}
     ratios = {s: by[s, True]["train_epoch_s"] / by[s, False]["train_epoch_s"] for s in STRATEGIES}
@@ -63,30 +64,32 @@ def compare(args: list[str], share: float, submit: Callable, work: Path) -> dict
 
 
 def table(result: dict) -> str:
-    lines = ["| strategy | worker 1 | epoch (s) | val accuracy | samples/s | slowed / full |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| strategy | worker 1 | epoch (s) | val accuracy | val loss | samples/s | slowed / full |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         slowed = r["slowed_share"]
         speed = f"{slowed:.0%} of the CPU" if slowed else "full speed"
         lines.append(f"| {STRATEGIES[r['strategy']]} | {speed} | {r['train_epoch_s']:.1f} | "
-                     f"{r['val_accuracy']:.3f} | {r['samples_per_s']:.1f} | "
+                     f"{r['val_accuracy']:.3f} | {r['val_loss']:.4f} | {r['samples_per_s']:.1f} | "
                      + (f"{result['slowed_over_full'][r['strategy']]:.2f}x |" if slowed else "- |"))
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
-    """Epoch seconds and validation accuracy, per strategy, full speed beside slowed."""
+    """Epoch seconds, validation accuracy and loss, per strategy, full speed beside slowed."""
     plt = plots.pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right, loss) = plt.subplots(1, 3, figsize=(13, 4))
     names = list(STRATEGIES)
     for offset, slowed, label in ((-0.2, False, "full speed"),
                                   (0.2, True, f"worker 1 at {result['share']:.0%} of the CPU")):
         rs = {r["strategy"]: r for r in result["runs"] if bool(r["slowed_share"]) == slowed}
         xs = [i + offset for i in range(len(names))]
-        for ax, key, fmt in ((left, "train_epoch_s", "{:.1f}"), (right, "val_accuracy", "{:.3f}")):
+        for ax, key, fmt in ((left, "train_epoch_s", "{:.1f}"), (right, "val_accuracy", "{:.3f}"),
+                             (loss, "val_loss", "{:.4f}")):
             bars = ax.bar(xs, [rs[s][key] for s in names], 0.4, label=label)
             ax.bar_label(bars, labels=[fmt.format(rs[s][key]) for s in names], fontsize=8, padding=2)
-    for ax, title in ((left, "seconds per epoch (last epoch)"), (right, "validation accuracy")):
+    for ax, title in ((left, "seconds per epoch (last epoch)"), (right, "validation accuracy"),
+                      (loss, "validation loss")):
         ax.set_xticks(range(len(names)), [STRATEGIES[s] for s in names])
         ax.set_title(title)
     right.set_ylim(0, 1.1)

@@ -36,13 +36,17 @@ def test_mirrored_in_one_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def refused(cluster, tmp_path_factory):
-    """The three bad data folders submitted at once: {case: process}."""
+    """The three bad data folders and more parameter servers than nodes, submitted at once:
+    {case: process}."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
     (tmp / "one class" / "cats").mkdir(parents=True)
     Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(tmp / "one class" / "cats" / "a.png")
-    return cluster.submit_all(JOB, {case: ["--data", str(tmp / case), "--storage-path", str(tmp / "runs")]
-                                    for case in ("missing", "empty", "one class")})
+    cases = {case: ["--data", str(tmp / case), "--storage-path", str(tmp / "runs")]
+             for case in ("missing", "empty", "one class")}
+    cases["parameter servers"] = ["--strategy", "ps", "--num-ps", "3", "--num-workers", "2",
+                                  "--name", "three-ps", "--storage-path", str(tmp / "runs")]
+    return cluster.submit_all(JOB, cases)
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "one class"])
@@ -54,3 +58,12 @@ def test_bad_data(refused, case):
                "one class": "exactly 2 class folders"}[case]
     assert any(line.startswith(f"{JOB}: error: ") and message in line
                for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+
+
+def test_more_parameter_servers_than_nodes_is_one_line_before_any_role_starts(refused):
+    proc = refused["parameter servers"]
+    assert proc.returncode != 0 and "failed with exit code 2" in proc.stdout, proc.stdout[-2000:]
+    errors = {line for line in proc.stdout.splitlines() if line.startswith(f"{JOB}: error: ")}
+    assert errors == {f"{JOB}: error: --num-ps 3 is more than the cluster's 2 node(s), and each parameter "
+                      "server takes a node of its own; use --num-ps <= 2"}, proc.stdout[-2000:]
+    assert "roles:" not in proc.stdout and "Role" not in proc.stdout  # no actor was started

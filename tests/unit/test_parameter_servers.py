@@ -45,9 +45,9 @@ def test_a_bad_parameter_server_tf_config_is_one_line(spec, message):
 
 
 def test_more_parameter_servers_than_nodes_is_refused():
-    ps.check_roles(num_workers=2, num_ps=2, nodes=2)
+    ps.check_roles(num_ps=2, nodes=2)
     with pytest.raises(UserError, match=r"--num-ps 3 is more than the cluster's 2 node\(s\).*<= 2"):
-        ps.check_roles(num_workers=2, num_ps=3, nodes=2)
+        ps.check_roles(num_ps=3, nodes=2)
 
 
 MWMS_TF_CONFIG = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
