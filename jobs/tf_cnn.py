@@ -131,7 +131,7 @@ class TFCNN(KerasJob):
         return dataset(config.train, True), dataset(config.val, False)
 
     def manifest(self, config: CNNConfig, run) -> dict:
-        return {"classes": config.classes}
+        return {**super().manifest(config, run), "classes": config.classes}
 
     def held_out(self, config: CNNConfig) -> np.ndarray:
         x, _, _ = load_images(config.data, config.per_class)

@@ -146,6 +146,11 @@ class KerasJob(Job):
                                    "multiworker"))
         return launcher
 
+    def manifest(self, config: JobConfig, run: Run) -> dict:
+        """The strategy by launcher, for a checkpoint saved before its epochs recorded it (the
+        checkpoint's own record, merged after this, names it otherwise)."""
+        return {"strategy": "mirrored" if run.launcher == "local" else "multiworker"}
+
     def model(self, config: JobConfig):
         raise NotImplementedError
 

@@ -28,7 +28,8 @@ def check_model(out, world, strategy):
 def test_mirrored_in_one_process(tmp_path):
     out = tmp_path / "model"
     proc = subprocess.run([sys.executable, "jobs/tf_cnn.py", "--strategy", "mirrored", *TINY,
-                           "--name", "tfm", "--output", str(out)], cwd=REPO, capture_output=True,
+                           "--name", "tfm", "--output", str(out),
+                           "--storage-path", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_model(out, 1, "mirrored")
