@@ -300,6 +300,14 @@ class RolesOnRay:
     compute."""
 
     def __init__(self, job: str, plan, num_ps: int, max_failures: int):
+        self.group, self.actors, self.cluster = None, {}, {}
+        try:
+            self._place(job, plan, num_ps, max_failures)
+        except BaseException:  # what was placed is taken down again
+            self.stop()
+            raise
+
+    def _place(self, job: str, plan, num_ps: int, max_failures: int) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
@@ -322,7 +330,6 @@ class RolesOnRay:
                  for role, where in places.items()}
         self.cluster = cluster_spec(found["chief"][0], found["ps"], found["worker"])
         actor = ray.remote(Role)
-        self.actors = {}
         for role, where in places.items():
             for i, strategy in enumerate(where):
                 options = {"num_cpus": 0, "scheduling_strategy": strategy, "max_restarts": 0}
@@ -358,7 +365,8 @@ class RolesOnRay:
 
         for a in self.actors.values():
             ray.kill(a, no_restart=True)
-        remove_placement_group(self.group)
+        if self.group is not None:
+            remove_placement_group(self.group)
 
 
 def fit_on_ray(job, run, config, plan, num_ps: int, max_failures: int) -> None:
@@ -369,8 +377,9 @@ def fit_on_ray(job, run, config, plan, num_ps: int, max_failures: int) -> None:
 
     failures = 0
     while True:
-        roles = RolesOnRay(job.name, plan, num_ps, max_failures)
+        roles, watched = None, []
         try:
+            roles = RolesOnRay(job.name, plan, num_ps, max_failures)
             fit = roles.chief.fit.remote(job, run, config, plan.use_gpu)
             # a parameter server's end is seen here at once; the chief would first wait out its steps
             watched = [roles.actors[key].serve.remote() for key in roles.actors if key[0] == "ps"]
@@ -385,14 +394,15 @@ def fit_on_ray(job, run, config, plan, num_ps: int, max_failures: int) -> None:
             failures += 1
             if 0 <= max_failures < failures:
                 raise
-            lost = roles.lost(e, watched)
+            lost = roles.lost(e, watched) if roles else []
             why = (f"{' and '.join(lost)} lost" if lost else
                    (str(e).strip().splitlines() or [type(e).__name__])[-1][:200])
             say(job.name, f"run {run.name}: {why}: the attempt ends; its roles start again from the "
                           f"last checkpoint (restart {failures} of "
                           f"{'unlimited' if max_failures < 0 else max_failures})")
         finally:
-            roles.stop()
+            if roles:
+                roles.stop()
 
 
 # ------------------------------------------------------------------ the plain launcher
