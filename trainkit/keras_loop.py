@@ -31,10 +31,16 @@ from .job import Job, JobConfig, Run
 from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
-from .store import FolderStore
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def tensorflow():
+    """TensorFlow, imported after the settings above (for modules that import it late)."""
+    import tensorflow as tf
+
+    return tf
 
 WEIGHTS = "weights.h5"
 OPTIMIZER = "optimizer.npz"
@@ -177,11 +183,10 @@ class KerasJob(Job):
     def store(self, run: Run, config: JobConfig, world):
         """A parameter-server run keeps its checkpoints in the run's folder, on Ray too (Ray Train
         does not run it)."""
-        from .parameter_servers import PSWorld
+        from . import parameter_servers
 
-        if isinstance(world, PSWorld):
-            return FolderStore(self.name, run.name, self.signature(config), world.rank,
-                               run.storage_path, world.barrier, keep=run.keep_checkpoints)
+        if isinstance(world, parameter_servers.PSWorld):
+            return parameter_servers.run_store(self, run, config)
         return super().store(run, config, world)
 
     def fit(self, run: Run, config: JobConfig, world: KerasWorld | None = None) -> None:
@@ -260,8 +265,6 @@ class EpochReport(_Callback):
         self.t0 = time.perf_counter()
         self.processing = self.validation = 0.0
         self.val_t0 = None
-        if events := getattr(self.world, "events", None):
-            events.epoch = epoch + 1
 
     def first_step(self) -> None:
         if not self.first_step_reported:

@@ -70,16 +70,23 @@ def world_from_env(launcher: str, env: dict | None = None) -> tuple[int, int, in
     return 0, 1, 0
 
 
-def local_tf_configs(workers: int) -> list[str]:
-    """A TF_CONFIG for each of `workers` processes on this machine (free loopback ports): what
-    MultiWorkerMirroredStrategy needs to train across them without Ray."""
+def loopback_addresses(n: int) -> list[str]:
+    """`n` distinct free ports on 127.0.0.1 as host:port (all held open at once while picked, so
+    none is handed out twice)."""
     import socket
 
-    socks = [socket.socket() for _ in range(workers)]
+    socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
     hosts = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
     for s in socks:
         s.close()
+    return hosts
+
+
+def local_tf_configs(workers: int) -> list[str]:
+    """A TF_CONFIG for each of `workers` processes on this machine (free loopback ports): what
+    MultiWorkerMirroredStrategy needs to train across them without Ray."""
+    hosts = loopback_addresses(workers)
     return [json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})
             for i in range(workers)]

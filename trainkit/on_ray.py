@@ -19,7 +19,7 @@ from .job import Job, Run, Timeline
 from .onnx_export import Published
 from .progress import say
 from .publish import prepare_publishing, publish
-from .store import FolderStore, Restored, hold_run, precheck
+from .store import Restored, hold_run, precheck
 
 
 class Attempts:
@@ -94,9 +94,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
         if parameter_servers:
             from .parameter_servers import fit_on_ray
 
-            fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
-            final = FolderStore(job.name, run.name, job.signature(config), 0, run.storage_path,
-                                barrier=lambda: None).latest()
+            final = fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
         else:
             trainer = trainer_class(
                 ray_worker, train_loop_config={"job": job, "run": run, "config": config},

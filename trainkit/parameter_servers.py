@@ -18,7 +18,8 @@ Where the roles come from:
 |           | task is "chief"                | "worker": they serve until they are stopped     |
 
 `python -m trainkit.parameter_servers --workers 2 --ps 1 -- python jobs/tf_cnn.py --strategy ps`
-starts every role of a plain run on this machine and stops them when the chief ends.
+starts every role of a plain run on this machine and stops them when the chief ends (that
+launcher imports no TensorFlow: the roles' processes do).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import UserError, find_user_error
 from .flags import Parser, UseGpu, positive_int
-from .keras_loop import EpochReport  # (it chooses tf-keras before TensorFlow is imported)
+from .launch import loopback_addresses
 from .progress import say
+from .store import FolderStore, Restored
 
 ROLES = ("chief", "ps", "worker")
 TF_LOGGER = "tensorflow"  # where TF's Python side (its cluster coordinator too) logs
@@ -86,18 +88,11 @@ def read_tf_config(env: dict | None = None) -> tuple[dict, str, int] | None:
     return cluster, role, index
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def local_tf_configs(workers: int, ps: int) -> list[str]:
     """A TF_CONFIG for each role of a run on this machine (free loopback ports): the chief first,
     then the parameter servers, then the workers."""
-    host = "127.0.0.1"
-    cluster = cluster_spec(f"{host}:{free_port()}", [f"{host}:{free_port()}" for _ in range(ps)],
-                           [f"{host}:{free_port()}" for _ in range(workers)])
+    chief, *rest = loopback_addresses(1 + ps + workers)
+    cluster = cluster_spec(chief, rest[:ps], rest[ps:])
     return [tf_config(cluster, role, i) for role in ROLES for i in range(len(cluster[role]))]
 
 
@@ -105,7 +100,9 @@ def serve(cluster: dict, role: str, index: int, use_gpu: UseGpu):
     """Start this process's TF server as task `role` `index` (a parameter server or a worker):
     it serves in TF's own threads until the process ends. Workers train on their GPUs unless
     --use-gpu false hides them; parameter servers only hold variables."""
-    import tensorflow as tf
+    from .keras_loop import tensorflow
+
+    tf = tensorflow()
 
     if role == "ps" or use_gpu == UseGpu.NO:
         tf.config.set_visible_devices([], "GPU")
@@ -124,9 +121,6 @@ def serve_until_stopped(job: str, cluster: dict, role: str, index: int, use_gpu:
 def check_roles(num_ps: int, nodes: int) -> None:
     """What the cluster must have room for besides the workers (plan_workers checks those): one
     node for each parameter server, so that their traffic spreads too."""
-    if num_ps < 1:
-        raise UserError(f"--num-ps {num_ps} must be at least 1: the variables live on the "
-                        "parameter servers")
     if num_ps > nodes:
         raise UserError(f"--num-ps {num_ps} is more than the cluster's {nodes} node(s), and each "
                         f"parameter server takes a node of its own; use --num-ps <= {nodes}")
@@ -178,7 +172,9 @@ class PSWorld:
     strategy_name = "ps"
 
     def __init__(self, job: str, cluster: dict, use_gpu: UseGpu):
-        import tensorflow as tf
+        from .keras_loop import tensorflow
+
+        tf = tensorflow()
 
         self.cluster = cluster
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -229,11 +225,24 @@ def watching_workers(world: PSWorld):
         tf_logger.removeFilter(world.events)
 
 
+def run_store(job, run, config) -> FolderStore:
+    """A parameter-server run's checkpoints: the run's folder under --storage-path, on Ray too (Ray
+    Train does not run it); the chief, the only process of the harness, writes them."""
+    return FolderStore(job.name, run.name, job.signature(config), 0, run.storage_path,
+                       barrier=lambda: None, keep=run.keep_checkpoints)
+
+
 def fit(job, run, config, world: PSWorld, model, store, start: int) -> None:
     """Keras `fit` on the chief: each step one batch on whichever worker is free; an epoch is as
     many steps as the training set has batches (the workers read their own shards, repeated).
     Validation runs on the chief, on a copy of the model outside the strategy, after each epoch."""
     import tf_keras as keras
+
+    from .keras_loop import EpochReport
+
+    class EpochInProgress(keras.callbacks.Callback):  # which epoch a worker is lost or back in
+        def on_epoch_begin(self, epoch, logs=None):
+            world.events.epoch = epoch + 1
 
     steps = job.train_size(config) // run.batch_size
     with store.latest() as last:  # the workers lost before a restart stay on the record
@@ -256,7 +265,8 @@ def fit(job, run, config, world: PSWorld, model, store, start: int) -> None:
 
         report = EpochReport(job, run, world, store, steps * run.batch_size, validate=validate)
         model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=run.epochs,
-                  initial_epoch=start, steps_per_epoch=steps, callbacks=[report], verbose=0)
+                  initial_epoch=start, steps_per_epoch=steps, verbose=0,
+                  callbacks=[EpochInProgress(), report])
 
 
 # ------------------------------------------------------------------ on Ray
@@ -265,11 +275,11 @@ class Role:
     its constructor, so Ray restarting a lost worker brings it back at the same address."""
 
     def __init__(self, cluster: dict, role: str, index: int, use_gpu: bool):
-        self.cluster, self.role, self.index = cluster, role, index
+        self.cluster, self.role, self.index, self.use_gpu = cluster, role, index, UseGpu.of(use_gpu)
         if role == "chief":  # TF's C++ side logs an error per pending call to a lost task (dozens
             os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # a second): what was lost is said once, in Python
         else:
-            self.server = serve(cluster, role, index, UseGpu.of(use_gpu))
+            self.server = serve(cluster, role, index, self.use_gpu)
 
     def __repr__(self) -> str:  # how Ray's state API and dashboard name the actor: "worker 1"
         return f"{self.role} {self.index}"
@@ -281,16 +291,18 @@ class Role:
         """Returns never: the driver waits on it to learn at once that this task is gone."""
         threading.Event().wait()
 
-    def fit(self, job, run, config, use_gpu: bool) -> None:
+    def fit(self, job, run, config) -> None:
         gc.freeze()  # as Ray Train's workers: Ray's own heap out of the collector's walks
-        job.fit(run, config, PSWorld(job.name, self.cluster, UseGpu.of(use_gpu)))
+        job.fit(run, config, PSWorld(job.name, self.cluster, self.use_gpu))
 
 
 def _address() -> str:
     """host:port free on the node this runs on, for the role placed there next."""
     import ray
 
-    return f"{ray.util.get_node_ip_address()}:{free_port()}"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
 
 class RolesOnRay:
@@ -369,10 +381,12 @@ class RolesOnRay:
             remove_placement_group(self.group)
 
 
-def fit_on_ray(job, run, config, plan, num_ps: int, max_failures: int) -> None:
-    """Train the run with its roles as Ray actors. A lost worker is the coordinator's to handle
-    (and Ray's to start again); a lost chief or parameter server ends the attempt at once, and the
-    run starts again from its last checkpoint, up to --max-failures times (-1: without limit)."""
+def fit_on_ray(job, run, config, plan, num_ps: int,
+               max_failures: int) -> contextlib.AbstractContextManager[Restored]:
+    """Train the run with its roles as Ray actors; its final checkpoint (`with` opens it). A lost
+    worker is the coordinator's to handle (and Ray's to start again); a lost chief or parameter
+    server ends the attempt at once, and the run starts again from its last checkpoint, up to
+    --max-failures times (-1: without limit)."""
     import ray
 
     failures = 0
@@ -380,13 +394,13 @@ def fit_on_ray(job, run, config, plan, num_ps: int, max_failures: int) -> None:
         roles, watched = None, []
         try:
             roles = RolesOnRay(job.name, plan, num_ps, max_failures)
-            fit = roles.chief.fit.remote(job, run, config, plan.use_gpu)
+            fit = roles.chief.fit.remote(job, run, config)
             # a parameter server's end is seen here at once; the chief would first wait out its steps
             watched = [roles.actors[key].serve.remote() for key in roles.actors if key[0] == "ps"]
             done, _ = ray.wait([fit, *watched], num_returns=1)
             if done[0] == fit:
                 ray.get(fit)
-                return
+                return run_store(job, run, config).latest()
             ray.get(done[0])  # raises: the actor is gone
         except Exception as e:
             if find_user_error(e) is not None:
@@ -429,7 +443,8 @@ def launch_locally(workers: int, ps: int, command: list[str]) -> int:
                 say("parameter_servers", f"{role} {i} (pid {p.pid}) ended with exit code {p.returncode}")
                 if role == "ps" or all((r, j) in ended for r, j in procs if r == "worker"):
                     chief.send_signal(signal.SIGTERM)
-        return chief.returncode
+        # killed by a signal (stopped above, or from outside): the shell's 128 + its number
+        return chief.returncode if chief.returncode >= 0 else 128 - chief.returncode
     finally:
         for p in procs.values():
             if p.poll() is None:
