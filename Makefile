@@ -22,6 +22,8 @@ DASHBOARD_PORT  ?= 8265
 METRICS_PORT    ?= 9090
 # an Ansible cluster's Grafana, at this port of 127.0.0.1 (the same tunnel; each end its own port)
 GRAFANA_PORT    ?= 3000
+# the local cluster's MLflow tracking server (127.0.0.1 only); an Ansible cluster's, this tunnel end
+TRACKING_PORT   ?= 5000
 # job that `make submit` runs (jobs/$(JOB).py)
 JOB             ?= ddp_autoencoder
 # extra flags for that job
@@ -55,13 +57,13 @@ ifneq ($(filter $(CURDIR)/%,$(abspath $(DLC_CONFIG))/),)
 $(error DLC_CONFIG=$(DLC_CONFIG) is inside the checkout $(CURDIR), whose files travel with every job; set it outside, e.g. DLC_CONFIG=$(HOME)/.config/dlcluster)
 endif
 
-export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT METRICS_PORT GRAFANA_PORT \
+export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT DASHBOARD_PORT METRICS_PORT GRAFANA_PORT TRACKING_PORT \
        INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD RUN
 VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status token grafana-password cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -84,6 +86,12 @@ token: setup ## print the current cluster's Ray token, for the dashboard's sign-
 
 grafana-password: setup ## print the current cluster's Grafana admin password, for its sign-in page (to the terminal only)
 	@$(PY) -m trainkit.record grafana-password
+
+tracking-password: setup ## print the run history's URL, user and password, for its sign-in (to the terminal only)
+	@$(PY) -m trainkit.record tracking-password
+
+runs: setup ## the last runs from the cluster's MLflow server (run, job, commit, epochs, validation, restarts, model, state); RUN=name: its metrics per epoch
+	@$(PY) -m trainkit.runs $(if $(RUN),--run $(RUN))
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
 	@scripts/cluster.sh down

@@ -45,6 +45,14 @@ CONFIG = record.config_dir()
 LOCAL = CONFIG / "clusters" / "local"  # laid out like every other cluster's folder
 RAY = str(Path(sys.executable).parent / "ray")
 HOST = "127.0.0.1"
+TRACKING_USER = "dlc"
+TRACKING_AUTH_INI = """[mlflow]
+default_permission = NO_PERMISSIONS
+database_uri = sqlite:///{db}
+admin_username = {user}
+admin_password = {password}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+"""
 
 
 def fail(msg: str) -> None:
@@ -52,17 +60,27 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def token() -> Path:
-    """The cluster's Ray token: made once (mode 0600) in its private folder, never printed."""
+def secret(name: str, make=lambda: secrets.token_hex(32)) -> Path:
+    """A secret of the cluster's: made once (mode 0600) in its private folder, never printed."""
     LOCAL.mkdir(parents=True, exist_ok=True)
     LOCAL.chmod(0o700)
-    path = LOCAL / "ray_token"
+    path = LOCAL / name
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+            f.write(make())
     path.chmod(0o600)
     return path
+
+
+def token() -> Path:
+    """The cluster's Ray token."""
+    return secret("ray_token")
+
+
+def tracking_auth() -> Path:
+    """The tracking server's one account, `user:password` (MLflow's basic auth)."""
+    return secret("tracking_auth", lambda: f"{TRACKING_USER}:{secrets.token_hex(24)}")
 
 
 def state_file() -> Path:
@@ -77,7 +95,9 @@ def the_record(st: dict) -> record.ClusterRecord:
                          role="head" if i == 0 else "worker", cpus=st["cpus_per_node"], gpus=0)
              for i in range(st["nodes"])]
     return record.ClusterRecord(name="local", kind="local", job_api=st["dashboard"],
-                                metrics_url=st.get("metrics"), token_path=str(token()), nodes=nodes)
+                                metrics_url=st.get("metrics"), token_path=str(token()), nodes=nodes,
+                                tracking_url=st.get("tracking"),
+                                tracking_auth_path=str(tracking_auth()) if st.get("tracking") else None)
 
 
 def forget(st: dict) -> None:
@@ -240,10 +260,88 @@ def start_prometheus(temp_root: str, port: int) -> str | None:
     return None
 
 
+def start_tracking(port: int) -> subprocess.Popen | None:
+    """MLflow's tracking server (basic auth on) as this user on 127.0.0.1:port, its runs in SQLite
+    and its artifacts in this cluster's folder (both kept across `down`); started, not yet
+    answering (`tracking_ready`). None, with one line, where the port is taken."""
+    if port_in_use(port):
+        print(f"tracking: port {port} (TRACKING_PORT) is in use on {HOST}: no run history for the "
+              f"local cluster; set TRACKING_PORT to a free port")
+        return None
+    folder = LOCAL / "mlflow"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    user, password = tracking_auth().read_text().strip().split(":", 1)
+    ini = folder / "basic_auth.ini"  # the admin's password is read when the server first starts
+    fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(TRACKING_AUTH_INI.format(db=folder / "basic_auth.db", user=user, password=password))
+    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": secret("tracking_flask_key").read_text(),
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # its job runner: 7 processes, unused here
+    log = open(folder / "server.log", "ab")  # noqa: SIM115  (the server's, for its whole life)
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
+         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--artifacts-destination", str(folder / "artifacts"),
+         "--host", HOST, "--port", str(port), "--workers", "1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def tracking_ready(proc: subprocess.Popen, port: int, timeout: float = 90) -> str | None:
+    """The tracking server's URL once it answers; None (one line) if it does not in time."""
+    url = f"http://{HOST}:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    print(f"tracking: MLflow at {url} (sign in: make tracking-password), runs in "
+                          f"{LOCAL / 'mlflow'}")
+                    return url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    print(f"tracking: MLflow did not start within {timeout:.0f} s (see {LOCAL / 'mlflow' / 'server.log'}); "
+          "the cluster runs without run history")
+    stop_group(proc.pid)
+    return None
+
+
+def stop_group(pid: int | None) -> None:
+    """Stop a process started in a session of its own, and every process of that session."""
+    if not pid:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def tracking_alive(st: dict) -> bool:
+    try:
+        with urllib.request.urlopen(f"{st['tracking']}/health", timeout=2) as r:
+            return r.status == 200
+    except (KeyError, TypeError, urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def up(a: argparse.Namespace) -> None:
     if state_file().exists():
         st = json.loads(state_file().read_text())
         if cluster_pids(st["temp_root"]):
+            if st.get("tracking_port") and not tracking_alive(st):  # a server that died: again
+                stop_group(st.get("tracking_pid"))
+                if proc := start_tracking(st["tracking_port"]):
+                    st.update(tracking=tracking_ready(proc, st["tracking_port"]), tracking_pid=proc.pid)
+                state_file().write_text(json.dumps(st, indent=2) + "\n")
             the_record(st).write(CONFIG)
             print(f"local cluster already running: {st['dashboard']} ({st['nodes']} nodes); "
                   f"`make cluster-down` first to change it")
@@ -259,7 +357,8 @@ def up(a: argparse.Namespace) -> None:
     # RAY_ADDRESS pins every process of this cluster to it: with two clusters on one host, Ray's
     # own helpers (e.g. Train's PlacementGroupCleaner) otherwise find both and give up.
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token()),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_ADDRESS": gcs}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_ADDRESS": gcs,
+           "DLC_CLUSTER_NAME": "local"}
     # sockets, logs and object store: this user's only (0700), under a name no one can guess or
     # make first; the state file records it for `down` and `status`
     temp_root = tempfile.mkdtemp(prefix=f"dlc-{a.port}-", dir="/tmp")
@@ -267,8 +366,13 @@ def up(a: argparse.Namespace) -> None:
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
     # Recorded before anything starts, so `down` can clean up after a start that failed half-way.
     state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
-             "cpus_per_node": cpus, "temp_root": temp_root}
+             "cpus_per_node": cpus, "temp_root": temp_root, "tracking_port": a.tracking_port}
+    tracking = start_tracking(a.tracking_port)  # it starts while Ray does
+    state["tracking_pid"] = tracking.pid if tracking else None
     state_file().write_text(json.dumps(state, indent=2) + "\n")
+    # every Ray process of the cluster (job drivers and workers inherit it) finds the run history
+    env.update({"DLC_TRACKING_URL": f"http://{HOST}:{a.tracking_port}",
+                "DLC_TRACKING_AUTH": str(tracking_auth())} if tracking else {})
     print(f"starting head node on {gcs} ({cpus} CPUs)", flush=True)
     run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
              "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
@@ -284,6 +388,7 @@ def up(a: argparse.Namespace) -> None:
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
     state["metrics"] = start_prometheus(temp_root, a.metrics_port)
+    state["tracking"] = tracking_ready(tracking, a.tracking_port) if tracking else None
     state_file().write_text(json.dumps(state, indent=2) + "\n")
     written = the_record(state).write(CONFIG)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
@@ -299,6 +404,7 @@ def down(_: argparse.Namespace) -> None:
         return
     st = json.loads(state_file().read_text())
     port = int(st["gcs"].rsplit(":", 1)[1])
+    stop_group(st.get("tracking_pid"))
     pids = cluster_pids(st["temp_root"], port)
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         for pid in pids:
@@ -362,6 +468,7 @@ def main() -> None:
     u.add_argument("--port", **make_var("RAY_PORT", 6379, 1024, 65535))
     u.add_argument("--dashboard-port", **make_var("DASHBOARD_PORT", 8265, 1024, 65535))
     u.add_argument("--metrics-port", **make_var("METRICS_PORT", 9090, 1024, 65535))
+    u.add_argument("--tracking-port", **make_var("TRACKING_PORT", 5000, 1024, 65535))
     sub.add_parser("down", help="stop the nodes `up` started")
     sub.add_parser("status", help="nodes and resources")
     a = p.parse_args()

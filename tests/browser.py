@@ -3,6 +3,7 @@ apt-get where missing and this is root, as lint does with shellcheck)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -38,3 +39,43 @@ def dom(browser: str, url: str) -> str:
 def screenshot(browser: str, url: str, png: Path, size: str = "1280,900") -> None:
     proc = _run(browser, f"--screenshot={png}", f"--window-size={size}", url)
     assert proc.returncode == 0 and png.stat().st_size > 0, proc.stderr[-2000:]
+
+
+# the flags the distribution's Chromium needs on these machines: root in a container, no GPU, and
+# nothing it would reach for on its own (updates, sync, components) on a closed network
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@contextlib.contextmanager
+def signed_in(browser: str, user: str, password: str, size: tuple[int, int] = (1280, 760)):
+    """A page of a real browser (Playwright driving the distribution's Chromium) that signs in
+    with HTTP basic auth, as a user at the sign-in prompt does; closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chrome = p.chromium.launch(executable_path=browser, args=LAUNCH_ARGS)
+        try:
+            context = chrome.new_context(http_credentials={"username": user, "password": password},
+                                         viewport={"width": size[0], "height": size[1]})
+            yield context.new_page()
+        finally:
+            chrome.close()
+
+
+# the points a chart card of MLflow's run page draws (plotly: one path.point per step)
+_CHART_POINTS = """title => {
+  let card = document.querySelector(`h4[title="${title}"]`);
+  while (card && !card.querySelector('svg.main-svg')) card = card.parentElement;
+  return card ? card.querySelectorAll('g.points path.point').length : 0;
+}"""
+
+
+def mlflow_chart_points(page, metric: str, at_least: int) -> int:
+    """On an MLflow run's metric charts (its page's /model-metrics): the points `metric`'s chart
+    draws, once it draws `at_least` (what it drew after 90 s otherwise: none, for a chart without)."""
+    try:
+        page.wait_for_function(f"t => ({_CHART_POINTS})(t) >= {at_least}", arg=metric, timeout=90_000)
+    except Exception:  # noqa: BLE001  (the count says what it drew)
+        pass
+    return page.evaluate(_CHART_POINTS, metric)

@@ -185,6 +185,9 @@ def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: floa
     p.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
                    help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK "
                         "(on as few as it can), STRICT_SPREAD (one per node; workers <= nodes)")
+    p.add_argument("--tracking", default="auto", metavar="URL|off|auto",
+                   help="the MLflow tracking server rank 0 logs the run to; auto: the cluster's "
+                        "(DLC_TRACKING_URL on its nodes, else the cluster record), else off")
     return p
 
 

@@ -8,7 +8,7 @@ import argparse
 import contextlib
 import os
 
-from . import cluster, flags
+from . import cluster, flags, tracking
 from .job import Job, Run, Timeline, World
 from .onnx_export import Published
 from .progress import say
@@ -43,6 +43,8 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
                       f"{run.epochs} epoch(s); storage {run.storage_path}")
     # rank 0 holds the run's folder: a second run of this --name is one line (its ranks then stop)
     with hold_run(run.storage_path, run.name) if world.rank == 0 else contextlib.nullcontext():
+        if world.rank == 0:
+            run = tracking.start(job, args, run, world.size)
         job.fit(run, config, world)
         if world.rank != 0:
             return None

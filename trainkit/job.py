@@ -35,6 +35,7 @@ from .store import FolderStore, RayStore, Store
 
 if TYPE_CHECKING:
     from .onnx_export import Published
+    from .tracking import Target
 
 
 @dataclass
@@ -97,7 +98,7 @@ JobConfig = Any
 
 
 # what Run holds that is not the run's settings: left out of the manifest's "run"
-RUN_REPORTERS = ("attempts", "timeline")
+RUN_REPORTERS = ("attempts", "timeline", "tracking", "tracking_off")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ class Run:
     attempts: object = None  # on Ray: the Attempts actor every start of the workers reports to
     # under the other launchers: where rank 0 (this process) marks its start and first step
     timeline: Timeline | None = field(default=None, compare=False)
+    # where rank 0 logs the run's history (trainkit.tracking), or why it does not
+    tracking: Target | None = None
+    tracking_off: str = ""
 
     @classmethod
     def from_flags(cls, job: Job, args: argparse.Namespace, launcher: str, use_gpu: bool,

@@ -31,6 +31,7 @@ from .job import Job, JobConfig, Run
 from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
+from .tracking import log_epoch
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -298,6 +299,8 @@ class EpochReport(_Callback):
             say_epoch(self.job.name, epoch + 1, self.run.epochs, metrics)
             export_epoch(self.job.name, self.run.name, metrics, self.run.attempts)
         self.store.save(epoch + 1, metrics, lambda folder: save(self.model, folder), replicas=check)
+        if self.world.rank == 0:
+            log_epoch(self.job.name, self.run, metrics)
 
 
 class StepTimedReport(EpochReport):

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import cluster, flags
+from . import cluster, flags, tracking
 from .errors import UserError
 from .job import Job, Run, Timeline
 from .onnx_export import Published
@@ -70,7 +70,8 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
     precheck(args.storage_path, job.name, args.name, job.signature(config))
     with hold_run(args.storage_path, args.name):  # a second run of this --name: one line
         attempts = cluster.on_this_node(Attempts)
-        run = Run.from_flags(job, args, "ray", plan.use_gpu, attempts=attempts)
+        run = tracking.start(job, args, Run.from_flags(job, args, "ray", plan.use_gpu, attempts=attempts),
+                             plan.num_workers)
         roles = f", {args.num_ps} parameter server(s) and a chief" if parameter_servers else ""
         say(job.name, f"run {run.name}: {job.describe(config)}; {plan.describe()}{roles}, batch "
                       f"{run.batch_size} per worker, {run.epochs} epoch(s); storage {run.storage_path}")

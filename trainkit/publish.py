@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import tracking
 from .job import RUN_REPORTERS, Job, JobConfig, Run, Timeline
 from .onnx_export import Published, verify_and_publish
 from .progress import say
@@ -49,7 +50,7 @@ def publish(job: Job, run: Run, config: JobConfig, folder: Path, where: str, res
         staged, output, job=job.name, framework=job.framework, inputs=inputs, reference=reference,
         metrics=meta["metrics"], world_size=world_size, packages=job.packages,
         extra={"launcher": run.launcher, **job.manifest(config, run), **meta.get("replicas", {}),
-               "restarts": restarts,
+               "restarts": restarts, "tracking": tracking.check(run, meta["epoch"]),
                "timeline": timeline.for_manifest(export_s),
                "run": {**{f.name: getattr(run, f.name) for f in fields(run) if f.name not in RUN_REPORTERS},
                        "checkpoint": where, "epochs_trained": meta["epoch"],
@@ -62,4 +63,5 @@ def publish(job: Job, run: Run, config: JobConfig, folder: Path, where: str, res
     say(job.name, f"ONNX model: {output / published.model.name}")
     say(job.name, f"manifest:   {output / published.manifest_path.name}")
     say(job.name, f"published:  {published.model.parent} (sha256 {m['model_sha256'][:16]}...)")
+    tracking.log_model(job.name, run, published, restarts.get("count", 0))
     return published

@@ -10,6 +10,7 @@ fixtures find the cluster, its job API and its token only here.
     python -m trainkit.record show|env|check [FILE]   # the record; its client env; validate
     python -m trainkit.record token [FILE]            # the cluster's Ray token (the dashboard asks)
     python -m trainkit.record grafana-password [FILE] # Grafana's admin password (its sign-in page asks)
+    python -m trainkit.record tracking-password [FILE] # the run history's URL, user and password
     python -m trainkit.record schema                   # its JSON Schema
 """
 
@@ -83,6 +84,12 @@ class ClusterRecord(BaseModel):
                                                     "where the cluster has none")
     grafana_password_path: str | None = Field(None, description="absolute path of Grafana's admin "
                                                                 "password on this client")
+    tracking_url: str | None = Field(None, description="http://HOST:PORT where this client reaches the "
+                                                     "cluster's MLflow tracking server (the tunnel's "
+                                                     "local end); null where the cluster has none")
+    tracking_auth_path: str | None = Field(None, description="absolute path of the tracking server's "
+                                                             "credentials (user:password, 0600) on "
+                                                             "this client")
     token_path: str = Field(description="absolute path of the Ray token file on this client")
     nodes: list[Node] = Field(min_length=1, description="the nodes, exactly one of them the head")
     ssh_config: str | None = Field(None, description="ssh config whose node entries ProxyJump "
@@ -91,7 +98,7 @@ class ClusterRecord(BaseModel):
     storage: str | None = Field(None, description="shared storage path on the nodes")
     inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
 
-    @field_validator("job_api", "metrics_url", "grafana_url")
+    @field_validator("job_api", "metrics_url", "grafana_url", "tracking_url")
     @classmethod
     def _api(cls, v: str | None) -> str | None:
         if v is None:
@@ -105,7 +112,7 @@ class ClusterRecord(BaseModel):
             raise ValueError(f"must look like http://HOST:PORT, not {v!r}")
         return v
 
-    @field_validator("token_path", "ssh_config", "grafana_password_path")
+    @field_validator("token_path", "ssh_config", "grafana_password_path", "tracking_auth_path")
     @classmethod
     def _absolute(cls, v):
         if v is not None and not Path(v).is_absolute():
@@ -218,13 +225,20 @@ def main(argv: list[str] | None = None) -> None:
             if not secret.is_file():
                 raise UserError(f"no Grafana password at {secret}: make cluster-up fetches it from the head")
             print(secret.read_text().strip())
+        elif what == "tracking-password":
+            # for the run history's sign-in (MLflow's basic auth): to this terminal only, never a log
+            r = load(path)
+            if r.tracking_url is None or r.tracking_auth_path is None:
+                raise UserError(f"cluster {r.name} has no tracking server: make cluster-up starts one")
+            user, _, password = Path(r.tracking_auth_path).read_text().strip().partition(":")
+            print(f"{r.tracking_url}  user {user}  password {password}")
         elif what == "check":
             r = load(path)
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
                   f"node(s)) at {r.job_api}")
         else:
-            raise UserError(f"unknown command {what!r}; use show, env, token, grafana-password, check "
-                            "or schema")
+            raise UserError(f"unknown command {what!r}; use show, env, token, grafana-password, "
+                            "tracking-password, check or schema")
     except UserError as e:
         print(f"record: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -25,6 +25,7 @@ from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
 from .timing import PhaseTimer
+from .tracking import log_epoch
 
 STATE_FILE = "state.pt"
 
@@ -247,6 +248,8 @@ class TorchJob(Job):
             store.save(epoch + 1, metrics, lambda folder: torch.save(
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),
                 replicas=check)
+            if world.rank == 0:
+                log_epoch(self.name, run, metrics)
 
     def loader(self, dataset, batch_size: int, world: TorchWorld, shuffle: bool):
         """Ignite's auto_dataloader: a DistributedSampler over the world, pinned memory on GPU."""

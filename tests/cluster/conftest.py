@@ -95,7 +95,7 @@ def prometheus_bin_dir() -> str | None:
 def start_cluster(config: Path, port: int, dashboard_port: int, nodes: int) -> LocalCluster:
     env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": str(port),
            "DASHBOARD_PORT": str(dashboard_port), "NODES": str(nodes), "CPUS_PER_NODE": "1",
-           "METRICS_PORT": str(dashboard_port + 1000)}
+           "METRICS_PORT": str(dashboard_port + 1000), "TRACKING_PORT": str(dashboard_port + 2000)}
     if prometheus := prometheus_bin_dir():
         env["PATH"] = f"{prometheus}:{env['PATH']}"
     env.pop("RAY_ADDRESS", None)

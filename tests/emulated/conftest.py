@@ -35,6 +35,7 @@ PORT = 8275
 METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's METRICS_PORT)
 # Grafana's (GRAFANA_PORT): the emulated head has none (its package source is unreachable)
 GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (test_emulated.operator)
+TRACKING_PORT = 11275  # the run history's local end (make cluster-up's TRACKING_PORT), PORT + 3000
 DEMO_PORT = 8265
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
 # the bastion container's address on the private network, as the emulated inventory names it
@@ -171,7 +172,8 @@ def demo(tmp_path_factory):
 def emulated(tmp_path_factory, demo):
     config = tmp_path_factory.mktemp("dlc-config")
     env = {**os.environ, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(PORT),
-           "METRICS_PORT": str(METRICS_PORT), "GRAFANA_PORT": str(GRAFANA_PORT)}
+           "METRICS_PORT": str(METRICS_PORT), "GRAFANA_PORT": str(GRAFANA_PORT),
+           "TRACKING_PORT": str(TRACKING_PORT)}
     env.pop("RAY_ADDRESS", None)
     env.pop("INVENTORY", None)
     run(["tests/emulated/emulate.sh", "down"], env)  # a fresh start: new machines, new host keys

@@ -11,6 +11,7 @@ image rolled back), cluster-down. In file order."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -34,9 +35,21 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import BASTION_PRIVATE, BIN, DEMO_PORT, INVENTORY, METRICS_PORT, NODES, PORT, REPO, recap, run
+from conftest import (
+    BASTION_PRIVATE,
+    BIN,
+    DEMO_PORT,
+    INVENTORY,
+    METRICS_PORT,
+    NODES,
+    PORT,
+    REPO,
+    TRACKING_PORT,
+    recap,
+    run,
+)
 
-from tests.browser import chromium, dom, screenshot
+from tests.browser import chromium, dom, mlflow_chart_points, screenshot, signed_in
 from tests.promql import wait_for_query
 from trainkit import baseline, record
 
@@ -512,6 +525,64 @@ def test_prometheus_graphs_the_readme_runs_samples_per_second_in_a_browser(emula
     screenshot(browser, page, png)
     print(f"screenshot: {png}")
 
+def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, tmp_path):
+    """MLflow on the head, through the tunnel (the record names it): 401 without the cluster's
+    credentials, 200 with them; the README job's run is there, logged by its rank 0 on a node,
+    with its model registered under the job's name (its sha256 the manifest's); a real browser signs
+    in and draws the run's loss. Its picture is docs/run-history.png."""
+    r = record.load(emulated.config / record.RECORD)
+    assert r.tracking_url == f"http://127.0.0.1:{TRACKING_PORT}", r.tracking_url
+    assert oct(Path(r.tracking_auth_path).stat().st_mode & 0o777) == "0o600"
+    said = " ".join(emulated.up.stdout.split())
+    assert f"run history: MLflow at http://127.0.0.1:{TRACKING_PORT} (user dlc" in said, said[-3000:]
+    search = f"{r.tracking_url}/api/2.0/mlflow/experiments/search?max_results=5"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(search, timeout=10)
+    assert refused.value.code == 401
+    user, password = Path(r.tracking_auth_path).read_text().strip().split(":", 1)
+    basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+    with urllib.request.urlopen(urllib.request.Request(search, headers={"Authorization": f"Basic {basic}"}),
+                                timeout=10) as answer:
+        assert answer.status == 200 and "ddp_autoencoder" in answer.read().decode()
+    # every node's Ray holds the credentials for its jobs' rank 0, readable by Ray's account alone
+    for node in NODES:
+        assert emulated.ssh(node, "sudo", "stat", "-c", "%a %U %G", "/etc/dlcluster/tracking_auth"
+                            ).stdout.split() == ["640", "root", "raysvc"], node
+    os.environ.update(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password)
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(r.tracking_url, registry_uri=r.tracking_url)
+    runs = [x for x in mlflow.search_runs([mlflow.get_experiment_by_name("ddp_autoencoder").experiment_id])
+            if x.info.run_name.startswith("readme-")]
+    assert len(runs) == 1, [x.info.run_name for x in runs]
+    run_ = runs[0]
+    manifest = published(emulated, run_.info.run_name)
+    assert manifest["tracking"]["state"] == "tracked" and manifest["tracking"]["run_id"] == run_.info.run_id
+    assert run_.info.status == "FINISHED" and run_.data.tags["dlc.world_size"] == "3"
+    assert run_.data.tags["dlc.cluster"] == "emulated" and run_.data.tags["dlc.launcher"] == "ray"
+    epochs = manifest["run"]["epochs_trained"]
+    logged = sorted(m.step for m in mlflow.get_metric_history(run_.info.run_id, "loss"))
+    assert logged == list(range(1, epochs + 1)), logged
+    (version,) = [v for v in mlflow.search_model_versions("name = 'ddp_autoencoder'")
+                  if v.run_id == run_.info.run_id]
+    assert version.tags["model_sha256"] == manifest["model_sha256"]
+    # its artifacts are on the shared storage, where the head's server keeps them
+    found = emulated.ssh("node-2", "find", "/srv/dlcluster/mlflow-artifacts", "-name", "model.onnx"
+                         ).stdout.split()
+    assert any(run_.info.run_id in path for path in found), found
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
+    png = tmp_path / "run-history.png"
+    with signed_in(browser, user, password) as page:  # through the tunnel, as an operator
+        run_page = manifest["tracking"]["page"].replace(manifest["tracking"]["url"], r.tracking_url)
+        page.goto(f"{run_page}/model-metrics")
+        assert mlflow_chart_points(page, "loss", epochs) == epochs
+        page.screenshot(path=str(png))
+    print(f"screenshot: {png}")
+
+
+
 def ray_pids(emulated) -> dict[str, str]:
     return {n: emulated.ssh(n, "systemctl", "show", "-p", "MainPID", "--value", "dlc-ray").stdout.strip()
             for n in NODES}
@@ -549,7 +620,8 @@ def operator(emulated, tmp_path: Path, name: str, port: int) -> dict:
     config = tmp_path / name
     shutil.copytree(emulated.config / "emulated", config / "emulated")  # the key the inventory names
     return {**emulated.env, "DLC_CONFIG": str(config), "DASHBOARD_PORT": str(port),
-            "METRICS_PORT": str(port + 1000), "GRAFANA_PORT": str(port + 2000), "INVENTORY": str(INVENTORY)}
+            "METRICS_PORT": str(port + 1000), "GRAFANA_PORT": str(port + 2000),
+            "TRACKING_PORT": str(port + 3000), "INVENTORY": str(INVENTORY)}
 
 
 def close_tunnel(env: dict) -> None:
@@ -1626,7 +1698,8 @@ def test_the_token_and_the_push_password_are_never_printed(emulated):
     """After everything above (cluster-up, jobs, faults, smoke, rotate-token, doctor): the token is
     in no file under the config folder but its own, in no Ray log on any node and in no node's
     journal; the registry's push password is in no file under the config folder and in no log on
-    the bastion. The servers search with the secret's file as the pattern (-f), so it is never on a
+    the bastion; the run history's password is in no file under the config folder but its own.
+    The servers search with the secret's file as the pattern (-f), so it is never on a
     command line, which sudo itself would log."""
     token = emulated.token()
     push = emulated.ssh("bastion", "sudo", "cat", "/etc/docker/registry/push.password").stdout.strip()
@@ -1634,6 +1707,11 @@ def test_the_token_and_the_push_password_are_never_printed(emulated):
     own = {p.resolve() for p in emulated.config.rglob("ray_token")}
     leaked = [str(p) for p in emulated.config.rglob("*") if p.is_file() and p.resolve() not in own
               and (token in p.read_text(errors="ignore") or push in p.read_text(errors="ignore"))]
+    assert leaked == [], leaked
+    # the run history's password: in its own file only (the cluster-up logs here hold none)
+    tracking = (emulated.config / "clusters/emulated/tracking_auth").read_text().strip().split(":", 1)[1]
+    leaked = [str(p) for p in emulated.config.rglob("*") if p.is_file() and p.name != "tracking_auth"
+              and tracking in p.read_text(errors="ignore")]
     assert leaked == [], leaked
 
     def search(secret: str, *folders: str) -> str:

@@ -221,15 +221,17 @@ def test_a_cluster_name_or_config_folder_not_one_word_is_refused_first(tmp_path,
     ({"METRICS_PORT": "9o90"}, "cluster-up: error: METRICS_PORT=9o90: the tunnel's local end must be a port"),
     ({"GRAFANA_PORT": "8265"}, "cluster-up: error: GRAFANA_PORT and DASHBOARD_PORT are both 8265: give each "
                                "end of the tunnel its own port"),
+    ({"TRACKING_PORT": "9090"}, "cluster-up: error: TRACKING_PORT and METRICS_PORT are both 9090: give each "
+                                "end of the tunnel its own port"),
 ])
 def test_the_tunnels_local_ends_are_checked_first(tmp_path, ports, expect):
     (tmp_path / "lab").mkdir()
     (tmp_path / "lab" / "hosts.yml").write_text(EXAMPLE)
     env = {**os.environ, "DLC_CONFIG": str(tmp_path / "config"),
            "INVENTORY": str(tmp_path / "lab" / "hosts.yml"), **ports}
-    for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT"):
+    for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT", "TRACKING_PORT"):
         if name not in ports:
-            env.pop(name, None)  # make's defaults: 8265, 9090, 3000
+            env.pop(name, None)  # make's defaults: 8265, 9090, 3000, 5000
     proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expect), proc.stderr

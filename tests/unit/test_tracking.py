@@ -1,0 +1,81 @@
+"""Where a run's history goes and what its manifest says when it cannot (trainkit.tracking); the
+server itself is the cluster tier's (tests/cluster/test_tracking.py)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from trainkit import record, tracking
+from trainkit.job import Run
+
+
+def a_record(tmp_path, **fields) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    record.ClusterRecord(name="local", kind="local", job_api="http://127.0.0.1:8265", token_path=str(token),
+                         nodes=[record.Node(name="head", ip=None, role="head", cpus=1, gpus=0)],
+                         **fields).write(tmp_path)
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    for name in (tracking.URL_ENV, tracking.AUTH_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DLC_CONFIG", str(tmp_path))
+    return monkeypatch
+
+
+def test_the_flag_then_the_nodes_environment_then_the_record(clean, tmp_path):
+    assert tracking.setting("off") == (None, "--tracking off")
+    assert tracking.setting("http://10.0.0.1:5000/") == ("http://10.0.0.1:5000", "--tracking")
+    assert tracking.setting("auto")[0] is None  # no record, no environment: off, and why
+    a_record(tmp_path, tracking_url="http://127.0.0.1:5001", tracking_auth_path=str(tmp_path / "auth"))
+    assert tracking.setting("auto") == ("http://127.0.0.1:5001", "cluster local's record")
+    clean.setenv(tracking.URL_ENV, "http://192.0.2.1:5000")  # a Ray process on a cluster's node
+    assert tracking.setting("auto") == ("http://192.0.2.1:5000", tracking.URL_ENV)
+
+
+def test_credentials_from_the_nodes_file_else_the_records(clean, tmp_path):
+    assert tracking.credentials() is None
+    (tmp_path / "auth").write_text("dlc:from-record\n")
+    a_record(tmp_path, tracking_url="http://127.0.0.1:5001", tracking_auth_path=str(tmp_path / "auth"))
+    assert tracking.credentials() == ("dlc", "from-record")
+    (tmp_path / "node_auth").write_text("dlc:from-node")
+    clean.setenv(tracking.AUTH_ENV, str(tmp_path / "node_auth"))
+    assert tracking.credentials() == ("dlc", "from-node")
+    (tmp_path / "node_auth").write_text("no-colon")
+    assert tracking.credentials() is None
+
+
+def test_the_record_takes_only_a_url_and_an_absolute_credentials_path(tmp_path):
+    with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
+        a_record(tmp_path, tracking_url="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        a_record(tmp_path, tracking_url="http://127.0.0.1:5000", tracking_auth_path="auth")
+
+
+def a_run(**kw) -> Run:
+    return Run("ddp_autoencoder", "r", "local", "/tmp/s", "/tmp/o", 2, 8, 1e-3, False, **kw)
+
+
+def test_the_manifest_says_off_or_untracked_and_why():
+    off = tracking.check(a_run(tracking_off="--tracking off"), 2)
+    assert off == {"state": "off", "why": "--tracking off"}
+    refused = "http://127.0.0.1:5000: the server refused the credentials (401)"
+    assert tracking.check(a_run(tracking_off=refused), 2) == {"state": "untracked", "why": refused}
+
+
+def test_a_server_that_is_down_is_one_reason_not_a_stack(clean):
+    """A real connection to a port nothing listens on: the client fails at once (no retries) and
+    the reason is a few words."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the request: nothing listens there
+    target = tracking.Target(f"http://127.0.0.1:{port}", "1", "abc")
+    m = tracking.check(a_run(tracking=target), 2)
+    assert m["state"] == "untracked" and m["why"] == \
+        f"http://127.0.0.1:{port}: the server is not reachable (connection refused)", m
+    assert tracking.why(Exception("API request failed: 401 Unauthorized")) == \
+        "the server refused the credentials (401)"

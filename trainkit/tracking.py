@@ -1,0 +1,291 @@
+"""Run history: every run's flags, per-epoch metrics, tags and published model in the cluster's
+MLflow tracking server, from the harness (no job file logs anything itself).
+
+Where the server is: `--tracking URL|off`; by default ("auto") DLC_TRACKING_URL, which the
+cluster's nodes give every Ray process (job drivers and workers inherit it), else the current
+cluster record's `tracking_url` (a plain launcher on the client), else off. The credentials
+(MLflow's basic auth) come the same way: the file DLC_TRACKING_AUTH names, else the record's
+`tracking_auth_path`; one line `user:password`, mode 0600, never in the run's upload or its log.
+
+What rank 0 logs (and only rank 0):
+- at the start (`start`: Ray's job driver, or rank 0 of a plain launcher): the experiment named
+  for the job, the run named `--name` (a resumed run, same name, continues its MLflow run), the
+  flags as params, and tags: job, commit, uploaded package, cluster, launcher, world size;
+- after each epoch's checkpoint (`log_epoch`): the loss, validation metrics, samples/s and phase
+  seconds at step = epoch;
+- at publishing (`check`, then `log_model`): the ONNX model and its manifest as artifacts under
+  `model/<publication>/` (a resumed run's each publication its own), a version of the registered
+  model named for the job (tag `model_sha256`), the
+  restarts, and the run ended.
+
+Tracking never costs training: every call has a short timeout and no retries. A server that is
+down or refuses the credentials at the start is one warning line and the run is untracked; a
+failure later stops the logging with one line. The manifest's `tracking` says which, and why,
+from what the server holds when the run publishes: every trained epoch has its point, or the run
+is untracked.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .progress import COUNTERS, say
+
+if TYPE_CHECKING:
+    import argparse
+
+    from .job import Job, Run
+    from .onnx_export import Published
+
+URL_ENV, AUTH_ENV = "DLC_TRACKING_URL", "DLC_TRACKING_AUTH"
+TIMEOUT_S = 5
+ARTIFACTS = "model"  # the run's artifact folder for its publications (ONNX model and manifest)
+# the harness's own numbers an epoch logs beside the job's metrics (the rest of COUNTERS are text
+# or counts of no interest)
+LOGGED_COUNTERS = ("epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s", "validation_s",
+                   "epoch_s", "world_size", "gpu_memory_peak_mb")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a run is tracked: what every rank's Run carries (no secret: each process reads the
+    credentials from its own environment)."""
+
+    url: str
+    experiment_id: str
+    run_id: str
+
+    def page(self) -> str:
+        return f"{self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+
+
+class Unreachable(Exception):
+    """The tracking server cannot be used: the reason, in a few words."""
+
+
+def setting(flag: str | None) -> tuple[str | None, str]:
+    """(the server's URL or None, how it was found or why there is none)."""
+    if flag == "off":
+        return None, "--tracking off"
+    if flag and flag != "auto":
+        return flag.rstrip("/"), "--tracking"
+    if os.environ.get(URL_ENV):
+        return os.environ[URL_ENV].rstrip("/"), URL_ENV
+    rec = _record()
+    if rec is not None and rec.tracking_url:
+        return rec.tracking_url.rstrip("/"), f"cluster {rec.name}'s record"
+    return None, "no tracking server: none in the environment or the cluster record"
+
+
+def _record():
+    from . import record
+    from .errors import UserError
+
+    try:
+        return record.load()
+    except UserError:
+        return None
+
+
+def credentials() -> tuple[str, str] | None:
+    """(user, password) from DLC_TRACKING_AUTH's file or the record's; None where there are none."""
+    where = os.environ.get(AUTH_ENV)
+    if not where:
+        rec = _record()
+        where = rec.tracking_auth_path if rec is not None else None
+    if not where:
+        return None
+    try:
+        user, _, password = Path(where).read_text().strip().partition(":")
+    except OSError:
+        return None
+    return (user, password) if user and password else None
+
+
+@functools.cache
+def client(url: str):
+    """An MLflow client for `url`: no retries, a short timeout, this process's credentials."""
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"  # the harness says where, once
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(TIMEOUT_S)
+    found = credentials()
+    if found is not None:
+        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = found
+    logging.getLogger("mlflow").setLevel(logging.ERROR)  # its own retry and deprecation notices
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=url, registry_uri=url)
+
+
+def why(e: Exception) -> str:
+    """An MLflow or HTTP error in one short line."""
+    text = " ".join(str(e).split())
+    if "401" in text or "Unauthorized" in text or "credentials" in text.lower():
+        return "the server refused the credentials (401)"
+    if "403" in text:
+        return "the server refused this user (403)"
+    if "Connection refused" in text or "Max retries" in text or "NewConnectionError" in text:
+        return "the server is not reachable (connection refused)"
+    if "timed out" in text.lower() or "Timeout" in text:
+        return f"the server did not answer within {TIMEOUT_S} s"
+    return text[:200]
+
+
+# ------------------------------------------------------------------ the start
+def start(job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
+          cluster: str | None = None) -> Run:
+    """The run's MLflow run made (or found again, for a resumed --name) with its params and tags;
+    `run` with its Target, or as it was (one warning line) where tracking is off or fails."""
+    from dataclasses import replace
+
+    url, how = setting(getattr(args, "tracking", "auto"))
+    if url is None:
+        return replace(run, tracking_off=how)
+    try:
+        target = _start(url, job, args, run, world_size, cluster)
+    except Exception as e:  # noqa: BLE001  (tracking never costs the run)
+        reason = why(e)
+        say(job.name, f"warning: run {run.name} is not tracked: {url}: {reason}; it trains and "
+                      f"publishes as before (its manifest says so)")
+        return replace(run, tracking_off=f"{url}: {reason}")
+    say(job.name, f"run history: {target.page()}")
+    return replace(run, tracking=target)
+
+
+def _start(url: str, job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
+           cluster: str | None) -> Target:
+    from mlflow.entities import Param, RunTag
+
+    mlflow = client(url)
+    experiment = mlflow.get_experiment_by_name(job.name)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(job.name)
+    found = mlflow.search_runs([experiment_id], f"attributes.run_name = '{run.name}'", max_results=1)
+    if found:
+        mlrun = found[0]
+        mlflow.update_run(mlrun.info.run_id, status="RUNNING")
+    else:
+        mlrun = mlflow.create_run(experiment_id, run_name=run.name)
+    params = {k: "" if v is None else str(v) for k, v in sorted(vars(args).items())}
+    had = mlrun.data.params
+    changed = [f"{k} {had[k]} -> {v}" for k, v in params.items() if k in had and had[k] != v]
+    tags = {"dlc.job": job.name, "dlc.run": run.name, "dlc.launcher": run.launcher,
+            "dlc.world_size": str(world_size), "dlc.cluster": cluster or _cluster_name(),
+            "dlc.commit": _commit(), "mlflow.source.git.commit": _commit().removesuffix("-dirty"),
+            "dlc.package": _package()}
+    if found:
+        tags["dlc.resumed"] = str(int(mlrun.data.tags.get("dlc.resumed", "0")) + 1)
+    if changed:  # params cannot change in MLflow: a resumed run with other flags says so
+        tags["dlc.changed_flags"] = "; ".join(changed)[:5000]
+    mlflow.log_batch(mlrun.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
+                     params=[Param(k, v[:6000]) for k, v in params.items() if k not in had])
+    return Target(url, experiment_id, mlrun.info.run_id)
+
+
+def _commit() -> str:
+    from .onnx_export import git_commit
+
+    return git_commit()
+
+
+def _package() -> str:
+    """The package the run's code came in: Ray's working_dir URI of the job, else 'checkout'."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().runtime_env.get("working_dir") or "checkout"
+    except Exception:  # noqa: BLE001
+        pass
+    return "checkout"
+
+
+def _cluster_name() -> str:
+    """DLC_CLUSTER_NAME on a cluster's nodes, else the current record's name."""
+    rec = None if os.environ.get("DLC_CLUSTER_NAME") else _record()
+    return os.environ.get("DLC_CLUSTER_NAME") or (rec.name if rec is not None else "none")
+
+
+# ------------------------------------------------------------------ every epoch
+_failed: set[str] = set()  # runs whose logging stopped in this process
+
+
+def log_epoch(job: str, run: Run, metrics: dict) -> None:
+    """Rank 0, after an epoch's checkpoint: its metrics at step = epoch (one request)."""
+    target = run.tracking
+    if target is None or target.run_id in _failed:
+        return
+    from mlflow.entities import Metric
+
+    at = int(time.time() * 1000)
+    step = int(metrics["epoch"])
+    values = [Metric(k, float(v), at, step) for k, v in metrics.items()
+              if (k not in COUNTERS or k in LOGGED_COUNTERS) and isinstance(v, (int, float))
+              and not isinstance(v, bool)]
+    try:
+        client(target.url).log_batch(target.run_id, metrics=values)
+    except Exception as e:  # noqa: BLE001  (tracking never costs the run)
+        _failed.add(target.run_id)
+        say(job, f"warning: run {run.name}: epoch {step} not tracked ({why(e)}); logging stops, "
+                 "the run trains on")
+
+
+# ------------------------------------------------------------------ publishing
+def check(run: Run, epochs_trained: int) -> dict:
+    """The manifest's `tracking`: what the server holds of this run, asked before publishing."""
+    target = run.tracking
+    if target is None:
+        return {"state": "off" if run.tracking_off.startswith(("--tracking off", "no tracking"))
+                else "untracked", "why": run.tracking_off}
+    record = {"url": target.url, "run_id": target.run_id, "page": target.page()}
+    try:
+        mlflow = client(target.url)
+        names = mlflow.get_run(target.run_id).data.metrics
+        key = "samples_per_s" if "samples_per_s" in names else next(iter(names), None)
+        steps = {m.step for m in mlflow.get_metric_history(target.run_id, key)} if key else set()
+    except Exception as e:  # noqa: BLE001
+        return {**record, "state": "untracked", "why": f"{target.url}: {why(e)}"}
+    missing = sorted(set(range(1, epochs_trained + 1)) - steps)
+    if missing:
+        return {**record, "state": "untracked",
+                "why": f"epoch(s) {', '.join(map(str, missing))} of {epochs_trained} were not logged"}
+    return {**record, "state": "tracked", "epochs_logged": epochs_trained}
+
+
+def log_model(job: str, run: Run, published: Published, restarts: int) -> str | None:
+    """The published model and manifest as the run's artifacts, a registered model version named
+    for the job, the run ended: the version ("name/N"), or None (one warning line) on failure."""
+    target = run.tracking
+    if target is None or published.manifest.get("tracking", {}).get("state") != "tracked":
+        return None
+    sha = published.manifest["model_sha256"]
+    try:
+        mlflow = client(target.url)
+        for path in (published.model, published.manifest_path):
+            mlflow.log_artifact(target.run_id, str(path), f"{ARTIFACTS}/{published.model.parent.name}")
+        mlflow.set_tag(target.run_id, "dlc.restarts", str(restarts))
+        mlflow.set_tag(target.run_id, "dlc.model_sha256", sha)
+        from mlflow.exceptions import MlflowException
+
+        try:
+            mlflow.create_registered_model(job)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = mlflow.create_model_version(
+            job, f"runs:/{target.run_id}/{ARTIFACTS}/{published.model.parent.name}", run_id=target.run_id,
+            tags={"model_sha256": sha, "run": run.name})
+        mlflow.set_terminated(target.run_id, "FINISHED")
+    except Exception as e:  # noqa: BLE001
+        say(job, f"warning: run {run.name}: the model was published but not logged to {target.url} "
+                 f"({why(e)})")
+        return None
+    say(job, f"registered model: {job} version {version.version} (run history: {target.page()})")
+    return f"{job}/{version.version}"
+
