@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> None:
             r = load(path)
             if r.tracking_url is None or r.tracking_auth_path is None:
                 raise UserError(f"cluster {r.name} has no tracking server: make cluster-up starts one")
-            user, _, password = Path(r.tracking_auth_path).read_text().strip().partition(":")
+            auth = Path(r.tracking_auth_path)
+            if not auth.is_file():
+                raise UserError(f"no run history credentials at {auth}: make cluster-up (or make attach) "
+                                "fetches them from the head")
+            user, _, password = auth.read_text().strip().partition(":")
             print(f"{r.tracking_url}  user {user}  password {password}")
         elif what == "check":
             r = load(path)

@@ -66,7 +66,7 @@ def one_run(url: str, mlflow, name: str) -> str:
         raise UserError(f"no run named {name} at {url}; make runs lists the last ones")
     r = found[0]
     keys = [k for k in FIRST if k in r.data.metrics] + sorted(
-        k for k in r.data.metrics if k not in (*FIRST, *LAST, "epoch", "world_size")) + \
+        k for k in r.data.metrics if k not in (*FIRST, *LAST, "epoch", "world_size", "tracking_s")) + \
         [k for k in LAST if k in r.data.metrics]
     by_epoch: dict[int, dict[str, float]] = {}
     for k in keys:

@@ -214,26 +214,33 @@ def _cluster_name() -> str:
 
 # ------------------------------------------------------------------ every epoch
 _failed: set[str] = set()  # runs whose logging stopped in this process
+_seconds: dict[str, float] = {}  # run id -> how long its last epoch's logging took here
 
 
 def log_epoch(job: str, run: Run, metrics: dict) -> None:
-    """Rank 0, after an epoch's checkpoint: its metrics at step = epoch (one request)."""
+    """Rank 0, after an epoch's checkpoint: its metrics at step = epoch (one request), and
+    `tracking_s`, the seconds the previous epoch's request took (make bench compares it with the
+    epoch's)."""
     target = run.tracking
     if target is None or target.run_id in _failed:
         return
     from mlflow.entities import Metric
 
+    t0 = time.perf_counter()
     at = int(time.time() * 1000)
     step = int(metrics["epoch"])
     values = [Metric(k, float(v), at, step) for k, v in metrics.items()
               if (k not in COUNTERS or k in LOGGED_COUNTERS) and isinstance(v, (int, float))
               and not isinstance(v, bool)]
+    if target.run_id in _seconds:
+        values.append(Metric("tracking_s", _seconds[target.run_id], at, step))
     try:
         client(target.url).log_batch(target.run_id, metrics=values)
     except Exception as e:  # noqa: BLE001  (tracking never costs the run)
         _failed.add(target.run_id)
         say(job, f"warning: run {run.name}: epoch {step} not tracked ({why(e)}); logging stops, "
                  "the run trains on")
+    _seconds[target.run_id] = time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------ publishing

@@ -113,7 +113,46 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
             "validation_s": metrics["validation_s"],
             "export_verify_s": m["timeline"]["export_s"] + m["parity"]["seconds"],
             "wall_s": wall, "samples_per_s": metrics["samples_per_s"],
-            "world_size": m["world_size"], "launcher": m["launcher"]}
+            "world_size": m["world_size"], "launcher": m["launcher"], "name": name,
+            "tracking": m.get("tracking", {}).get("state")}
+
+
+def tracking_cost(runs: dict) -> dict | None:
+    """What logging each epoch to the run history cost the Ray runs, from the server itself: the
+    seconds each epoch's request took on rank 0 (`tracking_s`, logged with the next epoch) against
+    the epoch's own seconds; None where no run was tracked."""
+    from trainkit import tracking
+
+    url, _ = tracking.setting("auto")
+    tracked = [r for by in runs.values() for r in by["ray"] if r.get("tracking") == "tracked"]
+    if url is None or not tracked:
+        return None
+    mlflow = tracking.client(url)
+    out = {}
+    for job, by in runs.items():
+        logging_s, epoch_s = [], []
+        for r in by["ray"]:
+            found = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()],
+                                       f"attributes.run_name = '{r['name']}'", max_results=1)
+            if not found:
+                continue
+            history = {k: {m.step: m.value for m in mlflow.get_metric_history(found[0].info.run_id, k)}
+                       for k in ("tracking_s", "epoch_s")}
+            for step, seconds in history["tracking_s"].items():  # the request of epoch step - 1
+                logging_s.append(seconds)
+                epoch_s.append(history["epoch_s"][step - 1])
+        if logging_s:
+            out[job] = {"requests": len(logging_s), "logging_s_median": statistics.median(logging_s),
+                        "epoch_s_median": statistics.median(epoch_s),
+                        "share": statistics.median(t / e for t, e in zip(logging_s, epoch_s, strict=True))}
+    return out or None
+
+
+def tracking_table(cost: dict) -> str:
+    rows = [f"{'job':<17}{'requests':>9}{'logging an epoch':>18}{'epoch':>9}{'share':>8}"]
+    rows += [f"{job:<17}{c['requests']:>9}{c['logging_s_median'] * 1000:>15.0f} ms"
+             f"{c['epoch_s_median']:>7.1f} s{c['share'] * 100:>7.2f}%" for job, c in cost.items()]
+    return "\n".join(rows)
 
 
 def frames_folder(n: int) -> Path:
@@ -337,15 +376,20 @@ def main(argv: list[str] | None = None) -> None:
             compared = strategies.compare([*JOBS["tf_cnn"], "--epochs", str(a.strategy_epochs)], a.slow_share,
                                           lambda argv: ray_job(argv, current), Path(tmp))
     summary = summarize(runs) if jobs else {}
+    cost = tracking_cost(runs) if jobs else None
     if summary:
         print("\n" + table(summary))
+    if cost:
+        print("\nthe run history's cost on Ray (rank 0's request per epoch, medians; the target is "
+              "under 2 %):\n" + tracking_table(cost))
     if runs:
         print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
     if compared:
         print("\nTensorFlow's strategies, worker 1 at full speed and slowed:\n" + strategies.table(compared))
     (out / "bench.json").write_text(json.dumps({"cluster": current.name, "machine": host,
                                                 "epochs": a.epochs, "summary": summary, "runs": runs,
-                                                "folder_scale": scale, "strategies": compared},
+                                                "folder_scale": scale, "strategies": compared,
+                                                "tracking": cost},
                                                indent=2) + "\n")
     if summary:
         plot(summary, out / "bench.png")

@@ -1,6 +1,7 @@
 """make bench's code path at tiny size on the fixture cluster (found through its record): both
-launchers run, the ratios, the JSON and the PNG come out; TensorFlow's two multi-worker strategies,
-a worker slowed and not, with their table and plot. The real figures are in docs/benchmark.md."""
+launchers run, the ratios, the run history's cost, the JSON and the PNG come out; TensorFlow's two
+multi-worker strategies, a worker slowed and not, with their table and plot. The real figures are
+in docs/benchmark.md."""
 
 import json
 import os
@@ -15,7 +16,7 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
     env = {**cluster.env, "PYTHONPATH": str(REPO), "DLC_HOME": str(tmp_path)}
     env.pop("DASHBOARD_PORT", None)  # the record says where the job API is
     cmd = [sys.executable, "tests/bench/bench.py", "--jobs", "ddp_autoencoder", "--repeats", "1",
-           "--epochs", "1", "--limit", "300", "--folder-scale", "300", "--strategy-epochs", "1",
+           "--epochs", "2", "--limit", "300", "--folder-scale", "300", "--strategy-epochs", "1",
            "--tf-per-class", "16", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-4000:], proc.stderr[-3000:])
@@ -31,6 +32,10 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
         assert all(p is not None and p >= 0 for p in parts), parts  # four parts, in order
     for k, ratio in s["ratio_ray_over_plain"].items():
         assert ratio > 0, k
+    # the run history's cost: rank 0's request for epoch 1, timed and logged with epoch 2
+    cost = report["tracking"]["ddp_autoencoder"]
+    assert cost["requests"] == 1 and 0 < cost["logging_s_median"] < cost["epoch_s_median"], cost
+    assert "the run history's cost on Ray" in proc.stdout
     assert "| ddp_autoencoder (torchrun) | wall |" in proc.stdout
     assert "| ddp_autoencoder | ray |" in proc.stdout  # where launch to first step went
     # a folder of 300 JPEGs against the built-in frames: the driver's check and the first step

@@ -258,6 +258,7 @@ def test_ray_unit_requires_the_shared_storage_mount():
                 dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
                 dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray",
                 ray_home="/var/lib/ray", dlc_image="dlcluster:gpu", ray_tls=True, ray_tls_dir="/etc/dlc/tls",
+                dlc_tracking=True,
                 ray_start_args=["--address=10.0.0.1:6379", "--resources", '{"nvme": 1, "ssd": 2}'])
     unit = env.get_template("dlc-ray.service.j2").render(**node)
     lines = unit.splitlines()
@@ -286,6 +287,8 @@ def test_ray_unit_requires_the_shared_storage_mount():
     assert "--network host" in start and "-v /etc/dlcluster/ray_token:/etc/dlcluster/ray_token:ro" in start
     # the node's TLS key and certificates (ray.env names them) reach Ray in its container
     assert "-v /etc/dlc/tls:/etc/dlc/tls:ro" in start
+    # and the run history's credentials, for the jobs' rank 0 (ray.env's DLC_TRACKING_AUTH)
+    assert "-v /etc/dlcluster/tracking_auth:/etc/dlcluster/tracking_auth:ro" in start
     # the container still running after an engine restart is followed, not replaced
     assert "exec docker attach --no-stdin --sig-proxy=false dlc-ray" in script
     assert '[ -n "${MAINPID:-}" ] || exit 0' in script
@@ -644,3 +647,44 @@ def test_numbers_given_on_the_command_line_are_cast_before_arithmetic():
     found = {str(p.relative_to(ANSIBLE)): arithmetic_on_uncast_variables(p.read_text())
              for p in sorted(ANSIBLE.rglob("*")) if p.suffix in (".yml", ".j2") and p.is_file()}
     assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets_in_files():
+    """roles/tracking's unit, rendered for both runtimes: MLflow's basic-auth app on the head's
+    private address, its database URI (a password) only in the 0640 environment file, never on
+    the command line `ps` shows; the docker runtime's container reads the same files."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/tracking/templates"),
+                             undefined=jinja2.StrictUndefined)
+    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
+    env.filters["bool"] = bool
+    env.filters["quote"] = shlex.quote
+    head = dict(ansible_managed="managed", dlc_cluster_name="c", dlc_ray_runtime="host",
+                firewall_enabled=True, dlc_shared_storage_path="/srv/data", dlc_ray_user="ray", dlc_ray_user_uid=1500,
+                dlc_venv="/opt/venv", dlc_node_ip="10.0.0.1", dlc_tracking_port=5000, tracking_workers=2,
+                tracking_artifacts_dir="/srv/data/mlflow-artifacts", dlc_image="dlcluster:gpu",
+                tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
+                tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
+                tracking_password="pw")
+    for runtime in ("host", "docker"):
+        unit = env.get_template("dlc-mlflow.service.j2").render(**{**head, "dlc_ray_runtime": runtime})
+        lines = unit.splitlines()
+        start = next(line for line in lines if line.startswith("ExecStart="))
+        assert "--app-name basic-auth --host 10.0.0.1 --port 5000" in start, start
+        assert "dbpw" not in unit and "pw" not in shlex.split(start)
+        assert "Requires=postgresql.service" in lines and "RequiresMountsFor=/srv/data" in lines
+        assert "Requires=dlc-firewall.service" in lines
+        if runtime == "host":
+            assert "User=ray" in lines and "EnvironmentFile=/etc/dlcluster/mlflow.env" in lines
+            assert start.startswith("ExecStart=/opt/venv/bin/mlflow server")
+        else:
+            assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 1500:1500" in start
+            assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
+    settings = env.get_template("mlflow.env.j2").render(**head)
+    assert "MLFLOW_BACKEND_STORE_URI=postgresql://mlflow:dbpw@127.0.0.1:5432/mlflow" in settings
+    assert "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in settings
+    ini = env.get_template("mlflow-auth.ini.j2").render(**head)
+    assert "admin_username = dlc" in ini and "admin_password = pw" in ini
+    assert "database_uri = postgresql://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
+    assert "default_permission = NO_PERMISSIONS" in ini

@@ -126,6 +126,7 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
         control_prometheus={"status": 200 if inventory == "emulated" else -1},
         dlc_grafana_tunnel_port=3000,
         control_grafana_answer={"status": 401 if inventory == "example" else -1},
+        dlc_tracking_tunnel_port=5000, control_tracking_ok=inventory == "emulated",
         dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
         groups=groups, dlc_shared_storage_path="/srv/dlcluster",
         control_nodes_record=nodes)
@@ -137,6 +138,9 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
     # Grafana's URL and password where Grafana asked for a login through the tunnel, else none
     grafana = ("http://127.0.0.1:3000", f"{cluster_dir}/grafana_password")
     assert (r.grafana_url, r.grafana_password_path) == (grafana if inventory == "example" else (None, None))
+    # the run history's URL and credentials where it answered 401 and then 200 through the tunnel
+    tracking = ("http://127.0.0.1:5000", f"{cluster_dir}/tracking_auth")
+    assert (r.tracking_url, r.tracking_auth_path) == (tracking if inventory == "emulated" else (None, None))
 
 
 def test_the_command_line(tmp_path):
@@ -168,6 +172,17 @@ def test_the_command_line(tmp_path):
     secret.write_text("s3cret\n")
     shown = subprocess.run([*run, "grafana-password", str(path)], cwd=REPO, capture_output=True, text=True)
     assert shown.returncode == 0 and shown.stdout == "s3cret\n"
+    # the run history's URL, user and password for its sign-in, only where the record names one
+    none = subprocess.run([*run, "tracking-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert none.returncode == 2 and "cluster lab has no tracking server: make cluster-up" in none.stderr
+    auth = tmp_path / "tracking_auth"
+    path.write_text(json.dumps(remote(token_path=str(token), tracking_url="http://127.0.0.1:5000",
+                                      tracking_auth_path=str(auth))))
+    gone = subprocess.run([*run, "tracking-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert gone.returncode == 2 and f"no run history credentials at {auth}: make cluster-up" in gone.stderr
+    auth.write_text("dlc:pw-1\n")
+    shown = subprocess.run([*run, "tracking-password", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout == "http://127.0.0.1:5000  user dlc  password pw-1\n"
     schema = json.loads(subprocess.run([*run, "schema"], cwd=REPO, capture_output=True, text=True).stdout)
     assert set(schema["required"]) >= {"name", "kind", "job_api", "token_path", "nodes"}
 
