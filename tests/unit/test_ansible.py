@@ -661,7 +661,8 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
     env.filters["bool"] = bool
     env.filters["quote"] = shlex.quote
     head = dict(ansible_managed="managed", dlc_cluster_name="c", dlc_ray_runtime="host",
-                firewall_enabled=True, dlc_shared_storage_path="/srv/data", dlc_ray_user="ray", dlc_ray_user_uid=1500,
+                firewall_enabled=True, dlc_shared_storage_path="/srv/data", dlc_ray_user="ray",
+                dlc_ray_user_uid=1500,
                 dlc_venv="/opt/venv", dlc_node_ip="10.0.0.1", dlc_tracking_port=5000, tracking_workers=2,
                 tracking_artifacts_dir="/srv/data/mlflow-artifacts", dlc_image="dlcluster:gpu",
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
