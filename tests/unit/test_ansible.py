@@ -683,9 +683,9 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
             assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 1500:1500" in start
             assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
     settings = env.get_template("mlflow.env.j2").render(**head)
-    assert "MLFLOW_BACKEND_STORE_URI=postgresql://mlflow:dbpw@127.0.0.1:5432/mlflow" in settings
+    assert "MLFLOW_BACKEND_STORE_URI=postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow" in settings
     assert "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in settings
     ini = env.get_template("mlflow-auth.ini.j2").render(**head)
     assert "admin_username = dlc" in ini and "admin_password = pw" in ini
-    assert "database_uri = postgresql://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
+    assert "database_uri = postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
     assert "default_permission = NO_PERMISSIONS" in ini
