@@ -48,16 +48,19 @@ def test_horovod_trainer_on_two_nodes(cluster, tmp_path):
         np.testing.assert_allclose(y, model(torch.from_numpy(x)).numpy(), atol=1e-4)
 
 
-def test_horovodrun_without_ray(tmp_path):
+def test_horovodrun_without_ray(cluster, tmp_path):
+    """Under horovodrun, and tracked: rank 0 finds the run history in the cluster record."""
     out = tmp_path / "model"
-    env = plain_env(tmp_path)
+    env = {**plain_env(tmp_path), "DLC_CONFIG": str(cluster.config)}
     proc = subprocess.run(
         [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
          "jobs/horovod_mnist.py", "--epochs", "1", "--batch-size", "64", "--name", "hvdrun",
          "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_model(out, 2)
-    assert read_manifest(out)["launcher"] == "horovodrun"
+    m = read_manifest(out)
+    assert m["launcher"] == "horovodrun"
+    assert m["tracking"]["state"] == "tracked" and m["tracking"]["epochs_logged"] == 1, m["tracking"]
 
 
 @pytest.fixture(scope="module")

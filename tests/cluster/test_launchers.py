@@ -11,10 +11,10 @@ from conftest import REPO, plain_env, read_manifest
 from trainkit import launch
 
 
-def start_tf_workers(tmp_path, name: str) -> list[subprocess.Popen]:
+def start_tf_workers(tmp_path, name: str, config) -> list[subprocess.Popen]:
     procs = []
     for tf_config in launch.local_tf_configs(2):
-        env = {**plain_env(tmp_path), "TF_CONFIG": tf_config}
+        env = {**plain_env(tmp_path), "TF_CONFIG": tf_config, "DLC_CONFIG": str(config)}
         procs.append(subprocess.Popen(
             [sys.executable, "jobs/tf_cnn.py", "--per-class", "24", "--epochs", "1",
              "--batch-size", "8", "--name", name], cwd=REPO, env=env,
@@ -22,14 +22,14 @@ def start_tf_workers(tmp_path, name: str) -> list[subprocess.Popen]:
     return procs
 
 
-def test_tf_config_two_workers_without_ray(tmp_path):
+def test_tf_config_two_workers_without_ray(cluster, tmp_path):
     """MultiWorkerMirroredStrategy from TF_CONFIG, one process per worker, as TF's docs start it.
 
     The ports are picked free and then handed to TF, so another process (the fixture cluster's
     Ray opens many) can take one in between, and the workers' rendezvous then waits for ever:
     a rendezvous stuck for 5 minutes is killed and tried once more on fresh ports, and said."""
     for attempt in (1, 2):
-        procs = start_tf_workers(tmp_path, "tfc")
+        procs = start_tf_workers(tmp_path, "tfc", cluster.config)  # the record: the run history
         try:
             outs = [p.communicate(timeout=300)[0] for p in procs]
             break
@@ -43,5 +43,6 @@ def test_tf_config_two_workers_without_ray(tmp_path):
     m = read_manifest(tmp_path / "models" / "tfc")
     assert m["launcher"] == "tf_config" and m["strategy"] == "multiworker" and m["world_size"] == 2
     assert m["replicas_in_sync"] is True and len(set(m["replica_digests"])) == 1
+    assert m["tracking"]["state"] == "tracked", m["tracking"]  # logged by rank 0, the chief
     assert m["parity"]["max_abs_diff"] <= 1e-4
     assert not os.path.exists(tmp_path / "models" / "tfc" / "model.rejected.onnx")
