@@ -2,8 +2,9 @@
 MLflow tracking server, from the harness (no job file logs anything itself).
 
 Where the server is: `--tracking URL|off`; by default ("auto") DLC_TRACKING_URL, which the
-cluster's nodes give every Ray process (job drivers and workers inherit it), else the current
-cluster record's `tracking_url` (a plain launcher on the client), else off. The credentials
+cluster's nodes give every Ray process (job drivers and workers inherit it; `off` there turns
+it off), else the current cluster record's `tracking_url` (a plain launcher on the client), else
+off. The credentials
 (MLflow's basic auth) come the same way: the file DLC_TRACKING_AUTH names, else the record's
 `tracking_auth_path`; one line `user:password`, mode 0600, never in the run's upload or its log.
 
@@ -76,6 +77,8 @@ def setting(flag: str | None) -> tuple[str | None, str]:
         return None, "--tracking off"
     if flag and flag != "auto":
         return flag.rstrip("/"), "--tracking"
+    if os.environ.get(URL_ENV) == "off":  # everything started from this environment
+        return None, f"{URL_ENV}=off"
     if os.environ.get(URL_ENV):
         return os.environ[URL_ENV].rstrip("/"), URL_ENV
     rec = _record()
@@ -248,7 +251,7 @@ def check(run: Run, epochs_trained: int) -> dict:
     """The manifest's `tracking`: what the server holds of this run, asked before publishing."""
     target = run.tracking
     if target is None:
-        return {"state": "off" if run.tracking_off.startswith(("--tracking off", "no tracking"))
+        return {"state": "off" if run.tracking_off.startswith(("--tracking off", "no tracking", URL_ENV))
                 else "untracked", "why": run.tracking_off}
     record = {"url": target.url, "run_id": target.run_id, "page": target.page()}
     try:

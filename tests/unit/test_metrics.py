@@ -111,7 +111,9 @@ def render(inventory: str, out: Path) -> None:
     play = out / "render.yml"
     play.write_text(RENDER_PLAY.format(a=ANSIBLE, out=out))
     env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "HOME": str(Path.home()),
-           "DLC_CONFIG": str(out)}
+           "DLC_CONFIG": str(out),
+           # the play is not beside ansible/'s playbooks: ray.env's head address needs their filters
+           "ANSIBLE_FILTER_PLUGINS": str(ANSIBLE / "filter_plugins")}
     proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i",
                            str(ANSIBLE / "inventories" / inventory / "hosts.yml"), str(play)],
                           cwd=ANSIBLE, capture_output=True, text=True, timeout=180, env=env)

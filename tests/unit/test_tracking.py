@@ -35,6 +35,9 @@ def test_the_flag_then_the_nodes_environment_then_the_record(clean, tmp_path):
     assert tracking.setting("auto") == ("http://127.0.0.1:5001", "cluster local's record")
     clean.setenv(tracking.URL_ENV, "http://192.0.2.1:5000")  # a Ray process on a cluster's node
     assert tracking.setting("auto") == ("http://192.0.2.1:5000", tracking.URL_ENV)
+    clean.setenv(tracking.URL_ENV, "off")  # off for everything started from here (the unit tier)
+    assert tracking.setting("auto") == (None, f"{tracking.URL_ENV}=off")
+    assert tracking.check(a_run(tracking_off=f"{tracking.URL_ENV}=off"), 1)["state"] == "off"
 
 
 def test_credentials_from_the_nodes_file_else_the_records(clean, tmp_path):
