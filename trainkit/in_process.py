@@ -45,11 +45,12 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
     with hold_run(run.storage_path, run.name) if world.rank == 0 else contextlib.nullcontext():
         if world.rank == 0:
             run = tracking.start(job, args, run, world.size)
-        job.fit(run, config, world)
-        if world.rank != 0:
-            return None
-        store = job.store(run, config, world)
-        with store.latest() as last:
-            # torchrun restarts its processes itself (--max-restarts) and says how often
-            count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-            return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)
+        with tracking.ended_if_failed(run):
+            job.fit(run, config, world)
+            if world.rank != 0:
+                return None
+            store = job.store(run, config, world)
+            with store.latest() as last:
+                # torchrun restarts its processes itself (--max-restarts) and says how often
+                count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+                return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)

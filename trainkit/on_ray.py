@@ -77,47 +77,48 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
                       f"{run.batch_size} per worker, {run.epochs} epoch(s); storage {run.storage_path}")
         timeline = Timeline()
         timeline.mark_prepared()
-        # Ray Train's controller looks at its workers every 2 s by default: a finished run waited up
-        # to that long to be noticed (measured: a no-op TorchTrainer's fit() 13.7 s -> 10.4 s at 0.2 s).
-        # Propagated by Ray Train to the controller and the workers; an operator's own value wins.
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-        # Ray Train's preemption watcher asks the cluster every 5 s whether a node is being drained
-        # for preemption (a cloud's spot capacity, an autoscaler) and logs an error line on every run
-        # as it starts (its arguments live in the object store while it may restart). Servers a team
-        # owns are not preempted: a lost node is a failure, which --max-failures handles.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        # the driver idles while the workers train: read the held-out inputs and import the exporters
-        # meanwhile, not after training (on the 2-core machine: 1.7 s of every run's wall time)
-        from concurrent.futures import ThreadPoolExecutor
+        with tracking.ended_if_failed(run):
+            # Ray Train's controller looks at its workers every 2 s by default: a finished run waited up
+            # to that long to be noticed (measured: a no-op TorchTrainer's fit() 13.7 s -> 10.4 s at 0.2 s).
+            # Propagated by Ray Train to the controller and the workers; an operator's own value wins.
+            os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+            # Ray Train's preemption watcher asks the cluster every 5 s whether a node is being drained
+            # for preemption (a cloud's spot capacity, an autoscaler) and logs an error line on every run
+            # as it starts (its arguments live in the object store while it may restart). Servers a team
+            # owns are not preempted: a lost node is a failure, which --max-failures handles.
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+            # the driver idles while the workers train: read the held-out inputs and import the exporters
+            # meanwhile, not after training (on the 2-core machine: 1.7 s of every run's wall time)
+            from concurrent.futures import ThreadPoolExecutor
 
-        held_out = ThreadPoolExecutor(1, thread_name_prefix="publish-ahead").submit(
-            prepare_publishing, job, config, attempts)
-        if parameter_servers:
-            from .parameter_servers import fit_on_ray
+            held_out = ThreadPoolExecutor(1, thread_name_prefix="publish-ahead").submit(
+                prepare_publishing, job, config, attempts)
+            if parameter_servers:
+                from .parameter_servers import fit_on_ray
 
-            final = fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
-        else:
-            trainer = trainer_class(
-                ray_worker, train_loop_config={"job": job, "run": run, "config": config},
-                scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
-                run_config=cluster.run_config(run.name, run.storage_path, keep=args.keep_checkpoints,
-                                              max_failures=args.max_failures),
-                **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
-            )
-            final = ray_checkpoint(trainer.fit(), run.name)
-        import ray
+                final = fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
+            else:
+                trainer = trainer_class(
+                    ray_worker, train_loop_config={"job": job, "run": run, "config": config},
+                    scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
+                    run_config=cluster.run_config(run.name, run.storage_path, keep=args.keep_checkpoints,
+                                                  max_failures=args.max_failures),
+                    **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
+                )
+                final = ray_checkpoint(trainer.fit(), run.name)
+            import ray
 
-        restarts = restarts_summary(ray.get(attempts.all.remote()))
-        first_start = restarts["attempts"][0] if restarts["attempts"] else {}
-        timeline.workers_started_at = first_start.get("started_at")
-        timeline.first_step_at = first_start.get("first_step_at")
-        with final as last:
-            published = publish(job, run, config, last.folder, last.where, restarts, timeline,
-                                held_out.result())
-        say(job.name, f"run {run.name}: {restarts['count']} restart(s)" + (
-            f", resumed after epoch(s) {', '.join(map(str, restarts['resumed_after_epochs']))}"
-            if restarts["count"] else ""))
-        return published
+            restarts = restarts_summary(ray.get(attempts.all.remote()))
+            first_start = restarts["attempts"][0] if restarts["attempts"] else {}
+            timeline.workers_started_at = first_start.get("started_at")
+            timeline.first_step_at = first_start.get("first_step_at")
+            with final as last:
+                published = publish(job, run, config, last.folder, last.where, restarts, timeline,
+                                    held_out.result())
+            say(job.name, f"run {run.name}: {restarts['count']} restart(s)" + (
+                f", resumed after epoch(s) {', '.join(map(str, restarts['resumed_after_epochs']))}"
+                if restarts["count"] else ""))
+            return published
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ is untracked.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -213,6 +214,20 @@ def _cluster_name() -> str:
     """DLC_CLUSTER_NAME on a cluster's nodes, else the current record's name."""
     rec = None if os.environ.get("DLC_CLUSTER_NAME") else _record()
     return os.environ.get("DLC_CLUSTER_NAME") or (rec.name if rec is not None else "none")
+
+
+@contextlib.contextmanager
+def ended_if_failed(run: Run):
+    """Training and publishing inside: where they raise, the MLflow run is ended FAILED (KILLED
+    for an interrupt), not left RUNNING."""
+    try:
+        yield
+    except BaseException as e:
+        if run.tracking is not None:
+            status = "KILLED" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "FAILED"
+            with contextlib.suppress(Exception):
+                client(run.tracking.url).set_terminated(run.tracking.run_id, status)
+        raise
 
 
 # ------------------------------------------------------------------ every epoch

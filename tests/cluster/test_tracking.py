@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 from conftest import REPO, plain_env, read_manifest
+from test_fault_tolerance import Running, kill, ray_train_workers
 
 from tests.browser import chromium, mlflow_chart_points, signed_in
 from trainkit import record
@@ -165,6 +166,22 @@ def test_server_stopped_mid_run_costs_only_the_history(cluster, mlflow, tmp_path
     assert m["run"]["epochs_trained"] == 4
     # the server is back with what it held: the run's first epoch(s)
     assert steps(mlflow, find(mlflow, "unheard").info.run_id)[0] == 1
+
+
+def test_a_run_that_fails_is_ended_failed_not_left_running(cluster, mlflow, tmp_path):
+    """A worker killed with no restarts left (--max-failures 0): the job fails, and its MLflow run
+    says FAILED with the epochs it logged."""
+    running = Running(cluster, "ddp_autoencoder", *TINY, "--num-workers", "2", "--limit", "1200",
+                      "--epochs", "20", "--max-failures", "0", "--name", "doomed",
+                      "--storage-path", str(tmp_path / "runs"), "--output", str(tmp_path / "doomed"))
+    running.wait_for("epoch 2/20: ")
+    kill(ray_train_workers(cluster)[-1:])
+    running.proc.wait(timeout=300)
+    running.reader.join(timeout=30)
+    assert running.proc.returncode != 0, "".join(running.lines)[-3000:]
+    r = mlflow.get_run(find(mlflow, "doomed").info.run_id)
+    assert r.info.status == "FAILED", r.info
+    assert steps(mlflow, r.info.run_id)[:2] == [1, 2] and not (tmp_path / "doomed").exists()
 
 
 def wrong_credentials(tmp_path):
