@@ -1655,10 +1655,11 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
 
     # an image whose Ray cannot start, under a job with a worker on each node (STRICT_SPREAD, so
     # node-3 runs one when it is drained: with SPREAD, three runs put none there); long enough to
-    # outlast the upgrade's walk to node-3 (16 epochs: node-3's drain came after epoch 14, 2 cores)
+    # outlast the upgrade's walk to node-3 (16 epochs: node-3's drain came after epoch 14 on the CI
+    # machine; 20 were all trained before it on one about 1.6x faster, 2026-11-27)
     pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    epochs = 20
+    epochs = 30
     job, lines, reader = elastic_run(emulated, name, epochs, 6000, "--placement", "STRICT_SPREAD")
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's worker stops
