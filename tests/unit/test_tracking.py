@@ -29,12 +29,12 @@ def clean(monkeypatch, tmp_path):
 
 def test_the_flag_then_the_nodes_environment_then_the_record(clean, tmp_path):
     assert tracking.setting("off") == (None, "--tracking off")
-    assert tracking.setting("http://10.0.0.1:5000/") == ("http://10.0.0.1:5000", "--tracking")
+    assert tracking.setting("http://127.0.0.9:5000/") == ("http://127.0.0.9:5000", "--tracking")
     assert tracking.setting("auto")[0] is None  # no record, no environment: off, and why
     a_record(tmp_path, tracking_url="http://127.0.0.1:5001", tracking_auth_path=str(tmp_path / "auth"))
     assert tracking.setting("auto") == ("http://127.0.0.1:5001", "cluster local's record")
-    clean.setenv(tracking.URL_ENV, "http://192.0.2.1:5000")  # a Ray process on a cluster's node
-    assert tracking.setting("auto") == ("http://192.0.2.1:5000", tracking.URL_ENV)
+    clean.setenv(tracking.URL_ENV, "http://127.0.0.10:5000")  # a Ray process on a cluster's node
+    assert tracking.setting("auto") == ("http://127.0.0.10:5000", tracking.URL_ENV)
     clean.setenv(tracking.URL_ENV, "off")  # off for everything started from here (the unit tier)
     assert tracking.setting("auto") == (None, f"{tracking.URL_ENV}=off")
     assert tracking.check(a_run(tracking_off=f"{tracking.URL_ENV}=off"), 1)["state"] == "off"
