@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import time
+import urllib.parse
 from enum import StrEnum
 from pathlib import Path
 
@@ -138,6 +139,21 @@ def run_name(text: str) -> str:
     return text
 
 
+def tracking(text: str) -> str:
+    """--tracking: off, auto, or the server's http(s)://HOST:PORT."""
+    if text in ("off", "auto"):
+        return text
+    u = urllib.parse.urlparse(text)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or not port:
+        raise argparse.ArgumentTypeError(f"{text!r} is not off, auto or http://HOST:PORT (the MLflow "
+                                         "server's address, e.g. http://127.0.0.1:5000)")
+    return text
+
+
 def location(text: str) -> str:
     """A path made absolute here (~ expanded), or a URI (s3://, gs://, ...) left as it is."""
     if URI.match(text):
@@ -185,7 +201,7 @@ def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: floa
     p.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
                    help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK "
                         "(on as few as it can), STRICT_SPREAD (one per node; workers <= nodes)")
-    p.add_argument("--tracking", default="auto", metavar="URL|off|auto",
+    p.add_argument("--tracking", type=tracking, default="auto", metavar="URL|off|auto",
                    help="the MLflow tracking server rank 0 logs the run to; auto: the cluster's "
                         "(DLC_TRACKING_URL on its nodes, else the cluster record), else off")
     return p

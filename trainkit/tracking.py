@@ -52,7 +52,6 @@ ARTIFACTS = "model"  # the run's artifact folder for its publications (ONNX mode
 # or counts of no interest)
 LOGGED_COUNTERS = ("epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s", "validation_s",
                    "epoch_s", "world_size", "gpu_memory_peak_mb")
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,6 @@ class Target:
 
     def page(self) -> str:
         return f"{self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-
-
-class Unreachable(Exception):
-    """The tracking server cannot be used: the reason, in a few words."""
 
 
 def setting(flag: str | None) -> tuple[str | None, str]:

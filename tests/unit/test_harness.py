@@ -44,6 +44,7 @@ BAD_FLAGS = [
     (["--num-workers", "1-x"], "--num-workers: 'x' is not a whole number (give a count, MIN-MAX or auto)"),
     (["--max-failures", "-2"], "--max-failures: -2 must be 0 or more, or -1 for no limit"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints: 0 must be at least 1"),
+    (["--tracking", "127.0.0.1:5000"], "--tracking: '127.0.0.1:5000' is not off, auto or http://HOST:PORT"),
 ]
 
 
