@@ -24,7 +24,7 @@ LAST = ("samples_per_s", "epoch_s", "dataflow_s", "processing_s", "allreduce_s",
 def connect(flag: str | None):
     url, how = tracking.setting(flag)
     if url is None:
-        raise UserError(f"{how}; bring a cluster up (make cluster-up) or give --tracking URL")
+        raise UserError(f"{how}; bring a cluster up (make cluster-up), or set DLC_TRACKING_URL=http://HOST:PORT")
     return url, tracking.client(url)
 
 
