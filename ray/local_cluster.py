@@ -268,9 +268,9 @@ def start_tracking(port: int) -> subprocess.Popen | None:
         print(f"tracking: port {port} (TRACKING_PORT) is in use on {HOST}: no run history for the "
               f"local cluster; set TRACKING_PORT to a free port")
         return None
+    user, password = tracking_auth().read_text().strip().split(":", 1)  # (makes the cluster's folder)
     folder = LOCAL / "mlflow"
     folder.mkdir(mode=0o700, exist_ok=True)
-    user, password = tracking_auth().read_text().strip().split(":", 1)
     ini = folder / "basic_auth.ini"  # the admin's password is read when the server first starts
     fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -279,12 +279,33 @@ def start_tracking(port: int) -> subprocess.Popen | None:
            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret("tracking_flask_key").read_text(),
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # its job runner: 7 processes, unused here
     log = open(folder / "server.log", "ab")  # noqa: SIM115  (the server's, for its whole life)
+    # through `serve-tracking`: the auth database's password made the file's first, then the server
     return subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
+        [sys.executable, str(Path(__file__).resolve()), "serve-tracking", "--",
+         str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
          "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
          "--artifacts-destination", str(folder / "artifacts"),
          "--host", HOST, "--port", str(port), "--workers", "1"],
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def serve_tracking(a: argparse.Namespace) -> None:
+    """The tracking server's process: its account's password in the auth database made the one in
+    the cluster's password file (MLflow sets it only when it first makes the account, so a password
+    file made anew, e.g. after it was deleted, left every job refused: 401), then the server itself
+    (exec: the same process, so `down` stops it as before)."""
+    user, password = tracking_auth().read_text().strip().split(":", 1)
+    db = LOCAL / "mlflow" / "basic_auth.db"
+    if db.exists():
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+        store = SqlAlchemyStore()
+        store.init_db(f"sqlite:///{db}")
+        if store.has_user(user, use_primary=True) and not store.authenticate_user(user, password,
+                                                                                  use_primary=True):
+            store.update_user(user, password=password)
+            print(f"tracking: {user}'s password in {db} set to the cluster's ({tracking_auth()})", flush=True)
+    os.execv(a.server[0], a.server)
 
 
 def tracking_ready(proc: subprocess.Popen, port: int, timeout: float = 90) -> str | None:
@@ -471,10 +492,14 @@ def main() -> None:
     u.add_argument("--tracking-port", **make_var("TRACKING_PORT", 5000, 1024, 65535))
     sub.add_parser("down", help="stop the nodes `up` started")
     sub.add_parser("status", help="nodes and resources")
+    t = sub.add_parser("serve-tracking", help="(up starts it) the tracking server, its password in step")
+    t.add_argument("server", nargs=argparse.REMAINDER)
     a = p.parse_args()
+    if a.cmd == "serve-tracking":
+        a.server = a.server[1:] if a.server[:1] == ["--"] else a.server
     if a.cmd == "up" and a.port == a.dashboard_port:
         fail(f"RAY_PORT and DASHBOARD_PORT are both {a.port}; give them different ports")
-    {"up": up, "down": down, "status": status}[a.cmd](a)
+    {"up": up, "down": down, "status": status, "serve-tracking": serve_tracking}[a.cmd](a)
 
 
 if __name__ == "__main__":

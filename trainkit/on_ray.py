@@ -29,6 +29,13 @@ class Attempts:
 
     def __init__(self):
         self.starts: list[dict] = []
+        self.tracking: list[str] = []  # why the run's logging stopped on a worker, first first
+
+    def tracking_stopped(self, reason: str) -> None:
+        self.tracking.append(reason)
+
+    def tracking_reasons(self) -> list[str]:
+        return self.tracking
 
     def start(self, epoch: int, world_size: int, at: float) -> None:
         self.starts.append({"resumed_after_epoch": epoch, "world_size": world_size, "started_at": at})
@@ -109,6 +116,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
             import ray
 
             restarts = restarts_summary(ray.get(attempts.all.remote()))
+            tracking.stopped_on_workers(run, ray.get(attempts.tracking_reasons.remote()))
             first_start = restarts["attempts"][0] if restarts["attempts"] else {}
             timeline.workers_started_at = first_start.get("started_at")
             timeline.first_step_at = first_start.get("first_step_at")

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,17 +124,28 @@ def client(url: str):
     return MlflowClient(tracking_uri=url, registry_uri=url)
 
 
+# HTTP statuses MLflow's client reports by name (mlflow.exceptions.get_error_code)
+STATUS_OF_ERROR_CODE = {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
+
+
 def why(e: Exception) -> str:
-    """An MLflow or HTTP error in one short line."""
+    """An MLflow or HTTP error in one short line. A request that got no answer is named first: its
+    message carries the request's URL, and a run id in it may hold any digits (one with "401" in
+    it was once read as a refused sign-in)."""
     text = " ".join(str(e).split())
-    if "401" in text or "Unauthorized" in text or "credentials" in text.lower():
-        return "the server refused the credentials (401)"
-    if "403" in text:
-        return "the server refused this user (403)"
-    if "Connection refused" in text or "Max retries" in text or "NewConnectionError" in text:
+    if re.search(r"NewConnectionError|Connection refused|Failed to establish a new connection", text):
         return "the server is not reachable (connection refused)"
-    if "timed out" in text.lower() or "Timeout" in text:
+    if re.search(r"timed out|ReadTimeout|ConnectTimeout", text, re.IGNORECASE):
         return f"the server did not answer within {TIMEOUT_S} s"
+    status = STATUS_OF_ERROR_CODE.get(getattr(e, "error_code", None))
+    if status is None and (m := re.search(r"error code (\d{3})\b|\b(\d{3}) (?:Unauthorized|Forbidden)\b", text)):
+        status = int(m.group(1) or m.group(2))
+    if status == 401:
+        return "the server refused the credentials (401)"
+    if status == 403:
+        return "the server refused this user (403)"
+    if "Max retries" in text:  # another failure of the connection itself
+        return "the server is not reachable (connection refused)"
     return text[:200]
 
 
@@ -226,7 +238,7 @@ def ended_if_failed(run: Run):
 
 
 # ------------------------------------------------------------------ every epoch
-_failed: set[str] = set()  # runs whose logging stopped in this process
+_stopped: dict[str, str] = {}  # run id -> why its logging stopped (the first reason) in this process
 _seconds: dict[str, float] = {}  # run id -> how long its last epoch's logging took here
 
 
@@ -235,7 +247,7 @@ def log_epoch(job: str, run: Run, metrics: dict) -> None:
     `tracking_s`, the seconds the previous epoch's request took (make bench compares it with the
     epoch's)."""
     target = run.tracking
-    if target is None or target.run_id in _failed:
+    if target is None or target.run_id in _stopped:
         return
     from mlflow.entities import Metric
 
@@ -250,20 +262,39 @@ def log_epoch(job: str, run: Run, metrics: dict) -> None:
     try:
         client(target.url).log_batch(target.run_id, metrics=values)
     except Exception as e:  # noqa: BLE001  (tracking never costs the run)
-        _failed.add(target.run_id)
+        stopped(run, f"logging stopped at epoch {step}: {why(e)}")
         say(job, f"warning: run {run.name}: epoch {step} not tracked ({why(e)}); logging stops, "
                  "the run trains on")
     _seconds[target.run_id] = time.perf_counter() - t0
 
 
+def stopped(run: Run, reason: str) -> None:
+    """The run's logging stopped for `reason`; the first reason is kept, here and, on Ray, in the
+    run's Attempts actor, whose reasons the driver hands back (`stopped_on_workers`) before it
+    publishes: the manifest names the cause, not what the server answered later."""
+    _stopped.setdefault(run.tracking.run_id, reason)
+    if run.attempts is not None:
+        with contextlib.suppress(Exception):
+            run.attempts.tracking_stopped.remote(reason)
+
+
+def stopped_on_workers(run: Run, reasons: list[str]) -> None:
+    """The driver: the reasons its workers' logging stopped for (the Attempts actor's), first first."""
+    if run.tracking is not None and reasons:
+        _stopped.setdefault(run.tracking.run_id, reasons[0])
+
+
 # ------------------------------------------------------------------ publishing
 def check(run: Run, epochs_trained: int) -> dict:
-    """The manifest's `tracking`: what the server holds of this run, asked before publishing."""
+    """The manifest's `tracking`: what the server holds of this run, asked before publishing; where
+    the logging stopped on the way, untracked and the first reason it stopped for."""
     target = run.tracking
     if target is None:
         return {"state": "off" if run.tracking_off.startswith(("--tracking off", "no tracking", URL_ENV))
                 else "untracked", "why": run.tracking_off}
     record = {"url": target.url, "run_id": target.run_id, "page": target.page()}
+    if target.run_id in _stopped:
+        return {**record, "state": "untracked", "why": f"{target.url}: {_stopped[target.run_id]}"}
     try:
         mlflow = client(target.url)
         names = mlflow.get_run(target.run_id).data.metrics

@@ -5,10 +5,13 @@ and its manifest says why; `make runs` lists it; a real browser signs in and dra
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -215,6 +218,58 @@ def test_torchrun_is_tracked_from_rank_0_or_says_why_not(cluster, mlflow, tmp_pa
         assert len(warning) == 1 and "refused the credentials (401)" in warning[0], proc.stdout[-3000:]
         assert m["tracking"]["state"] == "untracked" and "401" in m["tracking"]["why"], m["tracking"]
         assert m["parity"]["max_abs_diff"] <= m["parity"]["tolerance"]
+
+
+START_SERVER = """
+import sys
+sys.path.insert(0, "ray")
+import local_cluster as lc
+port = int(sys.argv[1])
+proc = lc.start_tracking(port)
+print(proc.pid, lc.tracking_ready(proc, port))
+"""
+
+
+def signed_in_status(url: str, user: str, password: str) -> int:
+    req = urllib.request.Request(f"{url}/api/2.0/mlflow/experiments/search?max_results=1", headers={
+        "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_restarted_server_takes_the_clusters_password_as_it_is_now(tmp_path):
+    """MLflow sets its admin's password only when it first makes the account: a local cluster's
+    password file made anew (deleted, restored from elsewhere) left every job refused (401) after
+    the server's next start. The server starts with the auth database in step with the file."""
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path / "config")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def start() -> tuple[int, str]:
+        out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", START_SERVER, str(port)], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=180)
+        pid, url = out.stdout.split()[-2:]
+        assert url.startswith("http://"), out.stdout + out.stderr
+        return int(pid), url
+
+    auth = tmp_path / "config" / "clusters" / "local" / "tracking_auth"
+    pid, url = start()
+    try:
+        first = auth.read_text().strip().split(":", 1)
+        assert signed_in_status(url, *first) == 200
+        os.killpg(pid, signal.SIGKILL)
+        auth.write_text("dlc:a-password-made-anew-0123456789\n")
+        pid, url = start()
+        assert signed_in_status(url, "dlc", "a-password-made-anew-0123456789") == 200
+        assert signed_in_status(url, *first) == 401  # the old one no longer signs in
+        assert "set to the cluster's" in (tmp_path / "config/clusters/local/mlflow/server.log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_the_server_asks_for_credentials(cluster):

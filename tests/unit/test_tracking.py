@@ -76,9 +76,44 @@ def test_a_server_that_is_down_is_one_reason_not_a_stack(clean):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again before the request: nothing listens there
-    target = tracking.Target(f"http://127.0.0.1:{port}", "1", "abc")
-    m = tracking.check(a_run(tracking=target), 2)
-    assert m["state"] == "untracked" and m["why"] == \
-        f"http://127.0.0.1:{port}: the server is not reachable (connection refused)", m
+    # a run id with "401" in it: the failed request's URL carries it (issue 53: read as a 401)
+    for run_id in ("abc", "a401b4010000401f"):
+        target = tracking.Target(f"http://127.0.0.1:{port}", "1", run_id)
+        m = tracking.check(a_run(tracking=target), 2)
+        assert m["state"] == "untracked" and m["why"] == \
+            f"http://127.0.0.1:{port}: the server is not reachable (connection refused)", m
     assert tracking.why(Exception("API request failed: 401 Unauthorized")) == \
         "the server refused the credentials (401)"
+
+
+def test_the_manifest_names_the_first_reason_logging_stopped_not_a_later_answer(clean):
+    """Logging stopped at epoch 2 (the server refused the connection); by publishing time the server
+    answers again: the manifest says why the run is untracked, without asking again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = tracking.Target(f"http://127.0.0.1:{port}", "1", "c0ffee401")
+    run = a_run(tracking=target)
+    tracking.log_epoch("ddp_autoencoder", run, {"epoch": 2, "loss": 0.5})  # a real refused request
+    first = "logging stopped at epoch 2: the server is not reachable (connection refused)"
+    assert tracking._stopped[target.run_id] == first
+    tracking.stopped_on_workers(run, ["logging stopped at epoch 3: a later reason"])  # kept: the first
+    assert tracking.check(run, 4) == {"url": target.url, "run_id": target.run_id, "page": target.page(),
+                                      "state": "untracked", "why": f"{target.url}: {first}"}
+    # on Ray the driver learns it from the workers' Attempts actor: the first reason they sent
+    other = a_run(tracking=tracking.Target(target.url, "1", "beef"))
+    tracking.stopped_on_workers(other, ["logging stopped at epoch 1: the server refused the credentials (401)",
+                                        "logging stopped at epoch 2: the server is not reachable"])
+    assert tracking.check(other, 2)["why"].endswith("epoch 1: the server refused the credentials (401)")
+
+
+def test_statuses_are_read_from_the_answer_not_from_digits_anywhere():
+    from mlflow.exceptions import MlflowException
+
+    assert tracking.why(MlflowException("API request to endpoint /api/2.0/mlflow/runs/get failed with error "
+                                        "code 401 != 200. Response body: 'You are not authenticated'",
+                                        error_code="UNAUTHENTICATED")) == "the server refused the credentials (401)"
+    assert tracking.why(MlflowException("failed with error code 403 != 200", error_code="PERMISSION_DENIED")) \
+        == "the server refused this user (403)"
+    assert tracking.why(Exception("run 4010 not found (error code 404 != 200)")) == \
+        "run 4010 not found (error code 404 != 200)"
