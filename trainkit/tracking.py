@@ -138,8 +138,9 @@ def why(e: Exception) -> str:
     if re.search(r"timed out|ReadTimeout|ConnectTimeout", text, re.IGNORECASE):
         return f"the server did not answer within {TIMEOUT_S} s"
     status = STATUS_OF_ERROR_CODE.get(getattr(e, "error_code", None))
-    if status is None and (m := re.search(r"error code (\d{3})\b|\b(\d{3}) (?:Unauthorized|Forbidden)\b", text)):
-        status = int(m.group(1) or m.group(2))
+    answered = re.search(r"error code (\d{3})\b|\b(\d{3}) (?:Unauthorized|Forbidden)\b", text)
+    if status is None and answered:
+        status = int(answered.group(1) or answered.group(2))
     if status == 401:
         return "the server refused the credentials (401)"
     if status == 403:

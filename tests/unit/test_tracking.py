@@ -102,18 +102,20 @@ def test_the_manifest_names_the_first_reason_logging_stopped_not_a_later_answer(
                                       "state": "untracked", "why": f"{target.url}: {first}"}
     # on Ray the driver learns it from the workers' Attempts actor: the first reason they sent
     other = a_run(tracking=tracking.Target(target.url, "1", "beef"))
-    tracking.stopped_on_workers(other, ["logging stopped at epoch 1: the server refused the credentials (401)",
-                                        "logging stopped at epoch 2: the server is not reachable"])
+    tracking.stopped_on_workers(other, [
+        "logging stopped at epoch 1: the server refused the credentials (401)",
+        "logging stopped at epoch 2: the server is not reachable"])
     assert tracking.check(other, 2)["why"].endswith("epoch 1: the server refused the credentials (401)")
 
 
 def test_statuses_are_read_from_the_answer_not_from_digits_anywhere():
     from mlflow.exceptions import MlflowException
 
-    assert tracking.why(MlflowException("API request to endpoint /api/2.0/mlflow/runs/get failed with error "
-                                        "code 401 != 200. Response body: 'You are not authenticated'",
-                                        error_code="UNAUTHENTICATED")) == "the server refused the credentials (401)"
-    assert tracking.why(MlflowException("failed with error code 403 != 200", error_code="PERMISSION_DENIED")) \
-        == "the server refused this user (403)"
+    refused = MlflowException("API request to endpoint /api/2.0/mlflow/runs/get failed with error code "
+                              "401 != 200. Response body: 'You are not authenticated'",
+                              error_code="UNAUTHENTICATED")
+    assert tracking.why(refused) == "the server refused the credentials (401)"
+    denied = MlflowException("failed with error code 403 != 200", error_code="PERMISSION_DENIED")
+    assert tracking.why(denied) == "the server refused this user (403)"
     assert tracking.why(Exception("run 4010 not found (error code 404 != 200)")) == \
         "run 4010 not found (error code 404 != 200)"
