@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy-epochs", type=int, default=3, metavar="N",
                    help="TensorFlow: MultiWorkerMirrored against ParameterServer on Ray, N epochs each, "
                         "worker 1 at full speed and slowed (0: skip)")
+    p.add_argument("--strategy-runs", default=",".join(strategies.RUNS), metavar="S:SPEED,...",
+                   help="which of the strategy comparison's runs (STRATEGY:full|slowed, comma-separated; "
+                        "default: all four)")
     p.add_argument("--slow-share", type=float, default=0.5,
                    help="the share of the time the slowed worker may run")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.png "
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--jobs must name some of {', '.join(JOBS)}, --repeats/--epochs be >= 1, "
                         "--mnist-train/--tf-per-class/--folder-scale/--strategy-epochs >= 0 and "
                         "--slow-share between 0 and 1")
+    strategy_runs = strategies.parse_runs(a.strategy_runs)  # a bad one: one line, before any run
     if a.limit:
         JOBS["ddp_autoencoder"] = [*JOBS["ddp_autoencoder"], "--limit", str(a.limit)]
     if a.mnist_train and "horovod_mnist" in jobs:
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         compared = None
         if a.strategy_epochs:
             compared = strategies.compare([*JOBS["tf_cnn"], "--epochs", str(a.strategy_epochs)], a.slow_share,
-                                          lambda argv: ray_job(argv, current), Path(tmp))
+                                          lambda argv: ray_job(argv, current), Path(tmp), strategy_runs)
     summary = summarize(runs) if jobs else {}
     cost = tracking_cost(runs) if jobs else None
     if summary:

@@ -47,19 +47,39 @@ def run(strategy: str, share: float | None, args: list[str], submit: Callable, w
             "throttled": [line for line in held.splitlines() if line.startswith("[throttle]")]}
 
 
-def compare(args: list[str], share: float, submit: Callable, work: Path) -> dict:
-    """Both strategies, full speed then slowed, in turn: the runs and the ratios."""
+RUNS = ("multiworker:full", "ps:full", "multiworker:slowed", "ps:slowed")  # make bench's four, in order
+
+
+def parse_runs(text: str) -> list[tuple[str, bool]]:
+    """`--strategy-runs`: comma-separated STRATEGY:full|slowed -> [(strategy, slowed)]."""
     runs = []
-    for slowed in (None, share):
-        for strategy in STRATEGIES:
-            print(f"[bench] tf_cnn --strategy {strategy}, worker 1 at "
-                  f"{f'{slowed:.0%} of the CPU' if slowed else 'full speed'} ...", flush=True)
-            r = run(strategy, slowed, args, submit, work)
-            print(f"[bench]   epoch {r['train_epoch_s']:.1f} s, val accuracy {r['val_accuracy']:.3f}, "
-                  f"val loss {r['val_loss']:.4f}", flush=True)
-            runs.append(r)
+    for item in filter(None, text.split(",")):
+        strategy, _, speed = item.partition(":")
+        if strategy not in STRATEGIES or speed not in ("full", "slowed"):
+            raise UserError(f"--strategy-runs {text!r}: {item!r} is not STRATEGY:full|slowed with "
+                            f"STRATEGY one of {', '.join(STRATEGIES)}; e.g. --strategy-runs {','.join(RUNS)}")
+        runs.append((strategy, speed == "slowed"))
+    if not runs:
+        raise UserError("--strategy-runs names no run; leave it out for all four, or give "
+                        "--strategy-epochs 0 for none")
+    return runs
+
+
+def compare(args: list[str], share: float, submit: Callable, work: Path,
+            which: list[tuple[str, bool]] | None = None) -> dict:
+    """The runs asked for (default: both strategies, full speed then slowed), in turn; the ratios of
+    the strategies run both ways."""
+    runs = []
+    for strategy, slowed in which or parse_runs(",".join(RUNS)):
+        print(f"[bench] tf_cnn --strategy {strategy}, worker 1 at "
+              f"{f'{share:.0%} of the CPU' if slowed else 'full speed'} ...", flush=True)
+        r = run(strategy, share if slowed else None, args, submit, work)
+        print(f"[bench]   epoch {r['train_epoch_s']:.1f} s, val accuracy {r['val_accuracy']:.3f}, "
+              f"val loss {r['val_loss']:.4f}", flush=True)
+        runs.append(r)
     by = {(r["strategy"], bool(r["slowed_share"])): r for r in runs}
-    ratios = {s: by[s, True]["train_epoch_s"] / by[s, False]["train_epoch_s"] for s in STRATEGIES}
+    ratios = {s: by[s, True]["train_epoch_s"] / by[s, False]["train_epoch_s"] for s in STRATEGIES
+              if (s, True) in by and (s, False) in by}
     return {"share": share, "runs": runs, "slowed_over_full": ratios}
 
 
@@ -71,7 +91,8 @@ def table(result: dict) -> str:
         speed = f"{slowed:.0%} of the CPU" if slowed else "full speed"
         lines.append(f"| {STRATEGIES[r['strategy']]} | {speed} | {r['train_epoch_s']:.1f} | "
                      f"{r['val_accuracy']:.3f} | {r['val_loss']:.4f} | {r['samples_per_s']:.1f} | "
-                     + (f"{result['slowed_over_full'][r['strategy']]:.2f}x |" if slowed else "- |"))
+                     + (f"{result['slowed_over_full'][r['strategy']]:.2f}x |"
+                        if slowed and r["strategy"] in result["slowed_over_full"] else "- |"))
     return "\n".join(lines)
 
 
@@ -83,11 +104,14 @@ def plot(result: dict, path: Path) -> None:
     for offset, slowed, label in ((-0.2, False, "full speed"),
                                   (0.2, True, f"worker 1 at {result['share']:.0%} of the CPU")):
         rs = {r["strategy"]: r for r in result["runs"] if bool(r["slowed_share"]) == slowed}
-        xs = [i + offset for i in range(len(names))]
+        ran = [s for s in names if s in rs]  # a bench asked for some of the four runs draws those
+        if not ran:
+            continue
+        xs = [names.index(s) + offset for s in ran]
         for ax, key, fmt in ((left, "train_epoch_s", "{:.1f}"), (right, "val_accuracy", "{:.3f}"),
                              (loss, "val_loss", "{:.4f}")):
-            bars = ax.bar(xs, [rs[s][key] for s in names], 0.4, label=label)
-            ax.bar_label(bars, labels=[fmt.format(rs[s][key]) for s in names], fontsize=8, padding=2)
+            bars = ax.bar(xs, [rs[s][key] for s in ran], 0.4, label=label)
+            ax.bar_label(bars, labels=[fmt.format(rs[s][key]) for s in ran], fontsize=8, padding=2)
     for ax, title in ((left, "seconds per epoch (last epoch)"), (right, "validation accuracy"),
                       (loss, "validation loss")):
         ax.set_xticks(range(len(names)), [STRATEGIES[s] for s in names])
