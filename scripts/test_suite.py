@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,13 @@ TIERS = {
     "gpu": ("test-gpu", "tests/gpu: CUDA, NCCL (skipped with its reason without a GPU)"),
 }
 PRINT = threading.Lock()
+
+
+def budgets() -> dict[str, int]:
+    """Seconds per tier, and the whole run's (`warm`, `cold`): pyproject.toml's
+    [tool.dlcluster.test-budget], the one place they are kept."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("dlcluster", {}).get("test-budget", {})
 
 
 def say(line: str, prefix: str = "") -> None:
@@ -161,13 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         t.join()
     ordered = [results[t] for t in order]
-    print(f"\n{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8}  status")
+    budget = budgets()
+    print(f"\n{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8} {'budget':>7}  status")
     for r in ordered:
-        print(f"{r.tier:<10} {r.passed:>7} {r.failed:>7} {r.skipped:>8} {r.seconds:>8.0f}  {r.status}")
+        over = (f", {r.seconds - budget[r.tier]:.0f} s over its budget"
+                if r.seconds > budget.get(r.tier, float("inf")) else "")
+        print(f"{r.tier:<10} {r.passed:>7} {r.failed:>7} {r.skipped:>8} {r.seconds:>8.0f} "
+              f"{budget.get(r.tier, '-'):>7}  {r.status}{over}")
     total = Result("all", *(sum(getattr(r, k) for r in ordered) for k in ("passed", "failed", "skipped")),
                    seconds=time.monotonic() - started)
-    print(f"{'all':<10} {total.passed:>7} {total.failed:>7} {total.skipped:>8} {total.seconds:>8.0f}"
-          f"  (wall clock; reports: {a.reports})")
+    whole = f"warm {budget['warm']}, cold {budget['cold']}" if {"warm", "cold"} <= budget.keys() else "-"
+    print(f"{'all':<10} {total.passed:>7} {total.failed:>7} {total.skipped:>8} {total.seconds:>8.0f} "
+          f"{'':>7}  (wall clock; budget: {whole} s; reports: {a.reports})")
     bad = [r.tier for r in ordered if r.status != "ok"]
     if bad:
         print(f"test: not passed: {', '.join(bad)}", file=sys.stderr, flush=True)

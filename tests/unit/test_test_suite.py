@@ -46,15 +46,34 @@ def test_lanes_run_side_by_side_and_the_last_line_sums_every_tier(tiers, capsys)
     lines = out.strip().splitlines()
     assert lines[-1] == "3 passed, 1 failed, 1 skipped"
     rows = {ln.split()[0]: ln.split() for ln in lines if re.match(r"(green|mixed|empty|all) +\d", ln)}
-    assert rows["green"][1:4] == ["2", "0", "0"] and rows["green"][5] == "ok"
-    assert rows["mixed"][1:4] == ["1", "1", "1"] and rows["mixed"][5] == "FAILED"
-    assert " ".join(rows["empty"][5:]) == "ran no test"
+    assert rows["green"][1:4] == ["2", "0", "0"] and rows["green"][5:] == ["-", "ok"]  # no budget
+    assert rows["mixed"][1:4] == ["1", "1", "1"] and rows["mixed"][6] == "FAILED"
+    assert " ".join(rows["empty"][6:]) == "ran no test"
     assert rows["all"][1:4] == ["3", "1", "1"]
     # each tier's own output, named by its tier
     assert re.search(r"^mixed \| .*test_bad", out, re.M) and re.search(r"^green \| .*2 passed", out, re.M)
     assert "SKIPPED" in out and "no GPU here" in out  # -ra: a skip keeps its reason
     # the second lane did not wait for the first: empty ended before mixed started
     assert out.index("==== empty: 0 passed") < out.index("==== mixed: the mixed tier")
+
+
+def test_each_tier_is_shown_beside_its_budget_and_one_over_it_is_named(tiers, capsys, monkeypatch):
+    monkeypatch.setattr(test_suite, "budgets", lambda: {"green": 1, "mixed": 600, "warm": 2700, "cold": 3600})
+    assert test_suite.main(["green,mixed", "--reports", str(tiers / "reports")]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    green = next(ln for ln in lines if ln.startswith("green ")).split()
+    seconds = int(green[4])
+    assert seconds >= 2 and green[5] == "1"  # its test sleeps 2 s: over a budget of 1
+    assert " ".join(green[6:]) == f"ok, {seconds - 1} s over its budget"
+    mixed = next(ln for ln in lines if ln.startswith("mixed ")).split()
+    assert mixed[5:] == ["600", "FAILED"]
+    assert "budget: warm 2700, cold 3600 s" in next(ln for ln in lines if ln.startswith("all "))
+
+
+def test_the_budgets_are_kept_in_one_place_for_every_tier():
+    b = test_suite.budgets()
+    assert set(test_suite.TIERS) | {"warm", "cold"} == set(b)
+    assert sum(b[t] for t in test_suite.TIERS) <= b["warm"] <= b["cold"] <= 5400  # CI's hard limit
 
 
 def test_one_lane_prints_as_it_is(tiers, capsys):
