@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from trainkit import record
+from trainkit.versions import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -92,23 +94,72 @@ def prometheus_bin_dir() -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def start_cluster(config: Path, port: int, dashboard_port: int, nodes: int) -> LocalCluster:
+# The tier's clusters while they run, one file each (its DLC_CONFIG), so that a run killed before
+# its clusters were stopped (CI's time limit, ^C) leaves nothing the next run trips over.
+STARTED = cache_dir() / "test-state" / "cluster-tier"
+
+
+def cluster_env(config: Path, port: int, dashboard_port: int, nodes: int) -> dict:
     env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": str(port),
            "DASHBOARD_PORT": str(dashboard_port), "NODES": str(nodes), "CPUS_PER_NODE": "1",
            "METRICS_PORT": str(dashboard_port + 1000), "TRACKING_PORT": str(dashboard_port + 2000)}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def start_cluster(config: Path, port: int, dashboard_port: int, nodes: int) -> LocalCluster:
+    env = cluster_env(config, port, dashboard_port, nodes)
     if prometheus := prometheus_bin_dir():
         env["PATH"] = f"{prometheus}:{env['PATH']}"
-    env.pop("RAY_ADDRESS", None)
     c = LocalCluster(config, dashboard_port, f"127.0.0.1:{port}", env)
+    STARTED.mkdir(parents=True, exist_ok=True)
+    (STARTED / f"{port}-{dashboard_port}").write_text(f"{config}\n")
     c.script("up")
     return c
 
 
+def stop_cluster(c: LocalCluster) -> None:
+    """`down`, and the cluster no longer recorded as the tier's."""
+    c.script("down", check=False)
+    port = c.gcs.rsplit(":", 1)[1]
+    (STARTED / f"{port}-{c.dashboard_port}").unlink(missing_ok=True)
+
+
+def stop_leftovers() -> list[str]:
+    """Each cluster an earlier run of the tier started and did not stop (killed): stopped with
+    its own `down`. What was stopped, for the log."""
+    stopped = []
+    for left in sorted(STARTED.glob("*-*")) if STARTED.is_dir() else []:
+        port, dashboard_port = map(int, left.name.split("-"))
+        config = Path(left.read_text().strip())
+        if config.is_dir():
+            stop_cluster(LocalCluster(config, dashboard_port, f"127.0.0.1:{port}",
+                                      cluster_env(config, port, dashboard_port, 1)))
+            stopped.append(f"127.0.0.1:{port} ({config})")
+        left.unlink(missing_ok=True)
+    return stopped
+
+
+def held(port: int) -> str | None:
+    """Who listens on 127.0.0.1:port (ss's line), or None where no one does."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) != 0:
+            return None
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return " ".join(out.split()) or "a process this user cannot see"
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
+    for line in stop_leftovers():
+        print(f"stopped a local cluster an earlier, killed run of the tier left: {line}")
+    ports = (6390, 8290, 9290, 10290)  # GCS, dashboard, Prometheus, MLflow
+    if busy := {p: who for p in ports if (who := held(p))}:
+        pytest.exit(f"the cluster tier's ports are held: {busy}; stop what holds them (a local cluster: "
+                    "DLC_CONFIG=<its config> make cluster-down)", returncode=3)
     c = start_cluster(tmp_path_factory.mktemp("dlc-config"), 6390, 8290, nodes=2)
     yield c
-    c.script("down", check=False)
+    stop_cluster(c)
 
 
 def read_manifest(output: Path) -> dict:
