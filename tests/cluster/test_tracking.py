@@ -35,11 +35,13 @@ def mlflow(cluster):
     assert r.tracking_url and r.tracking_auth_path, r
     assert oct(os.stat(r.tracking_auth_path).st_mode & 0o777) == "0o600"
     user, password = open(r.tracking_auth_path).read().strip().split(":", 1)
-    os.environ.update(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password,
-                      MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(r.tracking_url, registry_uri=r.tracking_url)
+    with pytest.MonkeyPatch.context() as env:  # the credentials leave with the module's tests
+        for k, v in (("MLFLOW_TRACKING_USERNAME", user), ("MLFLOW_TRACKING_PASSWORD", password),
+                     ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")):
+            env.setenv(k, v)
+        yield MlflowClient(r.tracking_url, registry_uri=r.tracking_url)
 
 
 def find(mlflow, name: str):
