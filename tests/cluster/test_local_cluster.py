@@ -7,9 +7,12 @@ import re
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, start_cluster
+from conftest import BIN, REPO, start_cluster, stop_cluster
 
 from trainkit import record
 
@@ -20,15 +23,44 @@ def ray_list_nodes(env, port):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_nodes_joined_and_token_is_required(cluster):
+def alive_node_ids(cluster) -> list[str]:
+    """The ids of the nodes Ray's state API lists as alive, asked with the record's token."""
     ok = ray_list_nodes(cluster.client_env(), cluster.dashboard_port)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.count('"ALIVE"') == 2
+    nodes = json.loads(next(line for line in ok.stdout.splitlines() if line.startswith("[")))
+    return sorted(n["node_id"] for n in nodes if n["state"] == "ALIVE")
+
+
+def http_get(port: int, path: str, token: str | None = None) -> tuple[int, str]:
+    """The dashboard's answer to a GET, as (HTTP status, body); no proxy between."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
+                         timeout=60) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_nodes_joined_and_token_is_required(cluster):
+    nodes = alive_node_ids(cluster)
+    assert len(nodes) == 2, nodes
+    # Ray's token check on the dashboard and job API: no token 401, a wrong one 403, the record's 200
+    token = Path(record.load(cluster.config / record.RECORD).token_path).read_text().strip()
+    assert http_get(cluster.dashboard_port, "/api/v0/nodes") == (
+        401, "Unauthorized: Missing authentication token")
+    assert http_get(cluster.dashboard_port, "/api/v0/nodes", "0" * len(token)) == (
+        403, "Forbidden: Invalid authentication token")
+    status, body = http_get(cluster.dashboard_port, "/api/v0/nodes", token)
+    assert status == 200 and all(node in body for node in nodes), (status, body[:2000])
+    # and the CLI without the record's env (or a token file to fall back on) is refused with it
     no_token = {k: v for k, v in cluster.client_env().items() if not k.startswith("RAY_AUTH")}
     no_token["HOME"] = str(cluster.config)  # no ~/.ray/auth_token to fall back on
     denied = ray_list_nodes(no_token, cluster.dashboard_port)
     assert denied.returncode != 0
-    assert "auth" in (denied.stdout + denied.stderr).lower()
+    assert "Authentication required: Unauthorized: Missing authentication token" in denied.stderr, (
+        denied.stdout + denied.stderr)  # Ray's message for the 401
 
 
 def temp_root_of(config) -> str:
@@ -65,9 +97,21 @@ def test_dashboard_and_job_api_listen_on_loopback_only(cluster):
 
 
 def test_status_prints_nodes_and_resources(cluster):
+    """`make cluster-status`: where the cluster answers and how to authenticate, then `ray status`:
+    a line for each node Ray's state API lists as alive, by its id, and the cluster's CPUs and
+    object store (NODES x CPUS_PER_NODE, NODES x OBJECT_STORE_MB)."""
     out = cluster.script("status").stdout
-    assert "token" in out and f"127.0.0.1:{cluster.dashboard_port}" in out
-    assert "2.0 CPU" in out or "0.0/2.0 CPU" in out
+    assert out.splitlines()[0] == (f"dashboard / job API: http://127.0.0.1:{cluster.dashboard_port}   "
+                                   f"GCS: {cluster.gcs}   auth: token ({cluster.config / record.CLIENT_ENV})")
+    assert "Node status" in out and "Resources" in out, out
+    assert sorted(re.findall(r"^ 1 node_([0-9a-f]{56})$", out, re.M)) == alive_node_ids(cluster), out
+    nodes = int(cluster.env["NODES"])
+    cpus = float(nodes * int(cluster.env["CPUS_PER_NODE"]))
+    used = re.search(rf"^ (\d+\.\d+)/{re.escape(str(cpus))} CPU$", out, re.M)
+    assert used and float(used.group(1)) <= cpus, out
+    mib = nodes * int(cluster.env.get("OBJECT_STORE_MB") or 512)
+    total = f"{mib / 1024:.2f}GiB" if mib >= 1024 else f"{mib:.2f}MiB"  # as Ray shows sizes
+    assert re.search(rf"^ \S+/{re.escape(total)} object_store_memory$", out, re.M), out
 
 
 def test_down_stops_only_its_own_cluster(cluster, tmp_path):
@@ -76,17 +120,20 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
 
     main_pids = cluster_pids(temp_root_of(cluster.config), 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
-    assert record.load(tmp_path / "cluster.json").job_api == "http://127.0.0.1:8295"
-    other_root = temp_root_of(tmp_path)
-    other_pids = cluster_pids(other_root, 6395)
-    assert other_pids and not set(other_pids) & set(main_pids)
-    assert "stopped" in other.script("down").stdout
-    assert not (tmp_path / "cluster.json").exists()  # its record goes with it
-    assert (cluster.config / "cluster.json").exists()
-    assert cluster_pids(other_root, 6395) == []  # Ray Client server too
-    assert not os.path.exists(other_root)
-    for pid in main_pids:
-        assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"
+    try:
+        assert record.load(tmp_path / "cluster.json").job_api == "http://127.0.0.1:8295"
+        other_root = temp_root_of(tmp_path)
+        other_pids = cluster_pids(other_root, 6395)
+        assert other_pids and not set(other_pids) & set(main_pids)
+        assert "stopped" in other.script("down").stdout
+        assert not (tmp_path / "cluster.json").exists()  # its record goes with it
+        assert (cluster.config / "cluster.json").exists()
+        assert cluster_pids(other_root, 6395) == []  # Ray Client server too
+        assert not os.path.exists(other_root)
+        for pid in main_pids:
+            assert os.path.exists(f"/proc/{pid}"), f"down of another cluster killed {pid}"
+    finally:
+        stop_cluster(other)  # a failed assertion above leaves no second cluster running
     assert "nothing to stop" in other.script("down").stdout
 
 

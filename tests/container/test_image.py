@@ -10,6 +10,7 @@ Horovod's gloo crashes.)
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -66,12 +68,24 @@ def in_image(*cmd: str, volumes: dict | None = None, timeout: int = 600) -> subp
     return sh(*args, IMAGE, *cmd, timeout=timeout)
 
 
+def utc_now() -> str:
+    """The time as docker/build.sh stamps a build in image-builds.tsv (`date -u +%FT%TZ`)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @pytest.fixture(scope="module")
-def image():
+def image_build() -> dict:
+    """This module's docker/build.sh run: its output and the UTC seconds it ran between."""
     proc = sh("docker/engine.sh", timeout=600)
     assert proc.returncode == 0, f"no Docker engine: {proc.stdout}"
+    started = utc_now()
     proc = sh("docker/build.sh", env={"GPU": "0", "IMAGE": IMAGE}, timeout=3600)
     assert proc.returncode == 0, f"docker/build.sh failed:\n{proc.stdout[-4000:]}"
+    return {"output": proc.stdout, "started": started, "ended": utc_now()}
+
+
+@pytest.fixture(scope="module")
+def image(image_build):
     if sh(DOCKER, "network", "inspect", NETWORK).returncode != 0:
         assert sh(DOCKER, "network", "create", "--internal", NETWORK).returncode == 0
     yield IMAGE
@@ -117,15 +131,54 @@ def test_ray_accepts_the_client(image):
     assert proc.returncode == 0 and "accepted" in proc.stdout, proc.stdout[-3000:]
 
 
+# The image's trust store, read inside it: the certificates (sha256 of each one's DER) of its CA
+# bundle, of the ca-certificates package's own files (dpkg -L), and of those /etc/ca-certificates.conf
+# enables (what update-ca-certificates makes the bundle from, with /usr/local/share/ca-certificates);
+# dpkg's check of the package's files against the digests it installed them with; the local CA folder
+# and apt's settings.
+TRUST_STORE = r"""
+import base64, hashlib, json, os, re, subprocess
+PEM = re.compile(r"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIFICATE-----", re.S)
+def certs(path):
+    text = open(path).read()
+    return {hashlib.sha256(base64.b64decode("".join(b.split()))).hexdigest() for b in PEM.findall(text)}
+files = subprocess.run(["dpkg", "-L", "ca-certificates"], capture_output=True, text=True, check=True).stdout
+package = set().union(*(certs(f) for f in files.splitlines() if f.endswith(".crt") and os.path.isfile(f)))
+conf = [line.strip() for line in open("/etc/ca-certificates.conf") if line.strip()[:1] not in ("", "#", "!")]
+enabled = set().union(*(certs(f"/usr/share/ca-certificates/{c}") for c in conf
+                        if os.path.isfile(f"/usr/share/ca-certificates/{c}")))
+bundle = certs("/etc/ssl/certs/ca-certificates.crt")
+verify = subprocess.run(["dpkg", "--verify", "ca-certificates"], capture_output=True, text=True)
+print(json.dumps({"bundle": sorted(bundle), "package": len(package),
+                  "not_the_package_s": sorted(bundle - package), "not_enabled": sorted(bundle ^ enabled),
+                  "verify": [verify.returncode, verify.stdout + verify.stderr],
+                  "local": sorted(os.listdir("/usr/local/share/ca-certificates")),
+                  "apt": sorted(os.listdir("/etc/apt/apt.conf.d"))}))
+"""
+PEM = re.compile(r"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIFICATE-----", re.S)
+
+
 def test_no_proxy_ca_in_the_image(image):
     """The host's extra CAs (a TLS-intercepting proxy's) reach the build's apt steps as a BuildKit
-    secret only: neither the image's trust store nor its apt settings hold them."""
-    proc = in_image("bash", "-c", "cat /etc/ssl/certs/ca-certificates.crt; ls /etc/apt/apt.conf.d")
-    assert proc.returncode == 0 and "99ca" not in proc.stdout
-    bundle = proc.stdout.replace("\n", "")
+    secret only: the image's CA bundle is exactly what update-ca-certificates makes from the
+    ca-certificates package's own certificates (none of another origin, whatever this host trusts),
+    its local CA folder is empty, apt's settings hold no CA. And none of the host's extra CAs, where
+    it has some, is in the bundle."""
+    proc = in_image("python", "-c", TRUST_STORE)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    store = json.loads(proc.stdout.strip().splitlines()[-1])
+    bundle = set(store["bundle"])
+    assert len(bundle) > 100 and store["package"] >= len(bundle), (len(bundle), store["package"])
+    assert store["not_the_package_s"] == [], f"CAs in the image's bundle that Debian does not ship: {store}"
+    assert store["not_enabled"] == [], f"the bundle is not what update-ca-certificates makes: {store}"
+    assert store["verify"] == [0, ""], f"the ca-certificates package's files were changed: {store['verify']}"
+    assert store["local"] == [] and "99ca" not in store["apt"], (store["local"], store["apt"])
     for crt in Path("/usr/local/share/ca-certificates").glob("**/*.crt"):
-        body = "".join(line for line in crt.read_text().splitlines() if line and "-----" not in line)
-        assert body[:200] not in bundle, f"{crt} is in the image"
+        blocks = PEM.findall(crt.read_text())
+        assert blocks, f"{crt}: no PEM certificate in it (update-ca-certificates reads PEM only)"
+        for block in blocks:
+            fingerprint = hashlib.sha256(base64.b64decode("".join(block.split()))).hexdigest()
+            assert fingerprint not in bundle, f"{crt} is in the image"
 
 
 def test_horovod_check_build(image):
@@ -194,7 +247,7 @@ def test_autoencoder_tiny_epoch(image, tmp_path):
     assert manifest["git_commit"].startswith(head), (manifest["git_commit"], head)
 
 
-def test_image_report(image):
+def test_image_report(image, image_build):
     proc = sh(sys.executable, "docker/report.py", env={"IMAGE": IMAGE})
     assert proc.returncode == 0
     sizes = dict(re.findall(r"^(.+?)\s+([0-9.]+ [MG]B)$", proc.stdout, re.M))
@@ -203,8 +256,19 @@ def test_image_report(image):
     for group in groups:  # every layer group found in the image, none empty
         assert group in sizes and float(sizes[group].split()[0]) > 0, (group, proc.stdout)
     assert sizes["torch + torchvision (+ CUDA wheels)"].endswith("GB")
-    # the fixture's own build is on record (cold on a new machine, warm after), with its seconds
-    assert re.search(r"^(cold|warm): \d+ s on ", proc.stdout, re.M), proc.stdout
+    # the fixture's own build is the report's latest of its kind (cold: no step cached, on a new
+    # machine; warm: some), with the seconds and step counts docker/build.sh printed for it, stamped
+    # within the seconds it ran
+    done = re.search(rf"^image: {re.escape(IMAGE)} built in (\d+) s \(base (\d+) s, wheelhouse (\d+) s, "
+                     r"docker build (\d+) s; (\d+) of (\d+) steps cached\)", image_build["output"], re.M)
+    assert done, image_build["output"][-3000:]
+    total, t_base, t_wheels, t_build, cached, steps = done.groups()
+    kind = "cold" if cached == "0" else "warm"
+    line = re.search(rf"^{kind}: {total} s on (\S+) \(base image {t_base} s, wheelhouse {t_wheels} s, "
+                     rf"docker build {t_build} s; {cached} of {steps} steps cached\)$", proc.stdout, re.M)
+    assert line, (done.group(0), proc.stdout)
+    when = (image_build["started"], line.group(1), image_build["ended"])
+    assert when[0] <= when[1] <= when[2], when
 
 
 def test_gpu_build_without_its_base_says_how_to_get_it():

@@ -93,25 +93,39 @@ def test_write_makes_the_cluster_current_with_its_client_env(tmp_path):
                    "export RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=''", "export RAY_LOGGER_LEVEL=warning"]
 
 
-def ansible_template(**facts) -> dict:
-    """The control role's cluster.json.j2 rendered as Ansible would (to_nice_json)."""
-    import jinja2
-
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/control/templates"),
-                             undefined=jinja2.StrictUndefined)
-    env.filters["to_nice_json"] = lambda v: json.dumps(v, indent=4, sort_keys=True)
-    env.filters["bool"] = bool
-    env.filters["ternary"] = lambda v, yes, no: yes if v else no
-    return json.loads(env.get_template("cluster.json.j2").render(**facts))
+def ansible_template(inventory: str, out: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """The control role's cluster.json.j2 written by Ansible itself (ansible-playbook, the
+    ansible.builtin.template task record.yml runs, on this machine), its filters Ansible's own and
+    `groups` and `ansible_inventory_sources` those of the shipped inventory: one play per case of
+    variables, all in one run. The records it wrote, by case."""
+    template = REPO / "ansible/roles/control/templates/cluster.json.j2"
+    plays = [{"name": case, "hosts": "localhost", "connection": "local", "gather_facts": False, "vars": facts,
+              "tasks": [{"ansible.builtin.template": {"src": str(template), "dest": str(out / f"{case}.json"),
+                                                      "mode": "0600"}}]}
+             for case, facts in cases.items()]
+    playbook = out / "record.yml"
+    playbook.write_text(json.dumps(plays, indent=1))  # JSON is YAML
+    env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg"),
+           "HOME": str(Path.home()), "DLC_CONFIG": str(out),
+           # the template renders on the control host under either strategy: Ansible's own starts faster
+           "ANSIBLE_STRATEGY": "linear"}
+    proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i",
+                           str(REPO / f"ansible/inventories/{inventory}/hosts.yml"), str(playbook)],
+                          cwd=REPO / "ansible", capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return {case: json.loads((out / f"{case}.json").read_text()) for case in cases}
 
 
 @pytest.mark.parametrize("inventory", ["example", "emulated"])
 def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
-    """Both writers produce records of one schema: the template rendered with the facts of each
-    shipped inventory validates against the model's exported JSON Schema and the model."""
+    """Both writers produce records of one schema: the template, rendered by Ansible with the facts
+    of each shipped inventory, validates against the model's exported JSON Schema and the model; and
+    its `bool` reads settings given as strings (`-e dlc_metrics=false`) as Ansible does: "false" is
+    false."""
     import yaml
 
-    hosts = yaml.safe_load((REPO / f"ansible/inventories/{inventory}/hosts.yml").read_text())["all"]
+    source = REPO / f"ansible/inventories/{inventory}/hosts.yml"
+    hosts = yaml.safe_load(source.read_text())["all"]
     groups = {g: list(v.get("hosts", {})) for g, v in hosts["children"].items()}
     all_hosts = {h: v or {} for g in hosts["children"].values() for h, v in (g.get("hosts") or {}).items()}
     nodes = [{"name": h, "ip": all_hosts[h].get("ip") or all_hosts[h]["ansible_host"],
@@ -120,27 +134,40 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
                           or hosts["vars"].get("dlc_ray_runtime", "docker"))}
              for h in groups["ray_head"] + groups["ray_workers"]]
     cluster_dir = f"{tmp_path}/clusters/{inventory}"
-    data = ansible_template(
-        dlc_cluster_name=inventory, ansible_inventory_sources=[f"/x/{inventory}/hosts.yml"],
-        dlc_tunnel_port=8265, dlc_metrics=True, dlc_metrics_tunnel_port=9090,
-        control_prometheus={"status": 200 if inventory == "emulated" else -1},
-        dlc_grafana_tunnel_port=3000,
-        control_grafana_answer={"status": 401 if inventory == "example" else -1},
-        dlc_tracking_tunnel_port=5000, control_tracking_ok=inventory == "emulated",
-        dlc_cluster_dir=cluster_dir, dlc_ssh_config=f"{cluster_dir}/ssh_config",
-        groups=groups, dlc_shared_storage_path="/srv/dlcluster",
-        control_nodes_record=nodes)
-    jsonschema.validate(data, record.ClusterRecord.model_json_schema())
-    r = record.ClusterRecord.model_validate(data)
-    assert (r.kind, r.bastion, len(r.nodes)) == ("ansible", groups["bastions"][0], len(nodes))
-    # the metrics URL where Prometheus answered through the tunnel, else none
-    assert r.metrics_url == ("http://127.0.0.1:9090" if inventory == "emulated" else None)
-    # Grafana's URL and password where Grafana asked for a login through the tunnel, else none
+    facts = dict(dlc_cluster_name=inventory, dlc_tunnel_port=8265, dlc_metrics_tunnel_port=9090,
+                 dlc_grafana_tunnel_port=3000, dlc_tracking_tunnel_port=5000, dlc_cluster_dir=cluster_dir,
+                 dlc_ssh_config=f"{cluster_dir}/ssh_config", dlc_shared_storage_path="/srv/dlcluster",
+                 control_nodes_record=nodes)
+    everything_answered = {"control_prometheus": {"status": 200}, "control_grafana_answer": {"status": 401}}
+    records = ansible_template(inventory, tmp_path, {
+        # what cluster-up found: Prometheus and the run history answered on the emulated cluster,
+        # Grafana on the example's
+        "found": {**facts, "dlc_metrics": True,
+                  "control_prometheus": {"status": 200 if inventory == "emulated" else -1},
+                  "control_grafana_answer": {"status": 401 if inventory == "example" else -1},
+                  "control_tracking_ok": inventory == "emulated"},
+        # everything answered, the settings strings as `-e` gives them: off, then on
+        "off": {**facts, **everything_answered, "dlc_metrics": "false", "control_tracking_ok": "false"},
+        "on": {**facts, **everything_answered, "dlc_metrics": "yes", "control_tracking_ok": "True"},
+    })
+    urls = {}
+    for case, data in records.items():
+        jsonschema.validate(data, record.ClusterRecord.model_json_schema())
+        r = record.ClusterRecord.model_validate(data)
+        assert (r.kind, r.name, r.inventory, r.bastion) == (
+            "ansible", inventory, str(source), groups["bastions"][0]), case
+        assert (data["nodes"], r.token_path) == (nodes, f"{cluster_dir}/ray_token"), case
+        urls[case] = (r.metrics_url, (r.grafana_url, r.grafana_password_path),
+                      (r.tracking_url, r.tracking_auth_path))
+    # the metrics URL where metrics are on and Prometheus answered through the tunnel; Grafana's
+    # URL and password where Grafana asked for a login; the run history's URL and credentials where
+    # it answered 401 and then 200 (control_tracking_ok)
+    metrics = "http://127.0.0.1:9090"
     grafana = ("http://127.0.0.1:3000", f"{cluster_dir}/grafana_password")
-    assert (r.grafana_url, r.grafana_password_path) == (grafana if inventory == "example" else (None, None))
-    # the run history's URL and credentials where it answered 401 and then 200 through the tunnel
     tracking = ("http://127.0.0.1:5000", f"{cluster_dir}/tracking_auth")
-    assert (r.tracking_url, r.tracking_auth_path) == (tracking if inventory == "emulated" else (None, None))
+    none = (None, None)
+    found = (metrics, none, tracking) if inventory == "emulated" else (None, grafana, none)
+    assert urls == {"found": found, "off": (None, grafana, none), "on": (metrics, grafana, tracking)}
 
 
 def test_the_command_line(tmp_path):
