@@ -4,7 +4,10 @@
 sshd, a private network the host cannot reach), then `scripts/cluster.sh up` (= make cluster-up
 INVENTORY=ansible/inventories/emulated/hosts.yml) provisions them through the bastion with the
 real playbooks. Everything runs with its own DLC_CONFIG, so a user's clusters and keys are not
-touched; the session ends with cluster-down and emulate-down.
+touched; the session ends with cluster-down and emulate-down, and removes the images its tests
+built. It starts by removing what a killed earlier run left (its ssh tunnels on the tier's ports,
+containers, networks, iptables rules, test images), or stops with one line naming a program of
+someone else's on one of its ports.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -37,6 +41,12 @@ METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's ME
 GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (test_emulated.operator)
 TRACKING_PORT = 11275  # the run history's local end (make cluster-up's TRACKING_PORT), PORT + 3000
 DEMO_PORT = 8265
+# every local tunnel end the tier opens: its own, and its second operators' (test_emulated.operator:
+# 8276-8280), each with its Prometheus, Grafana and run-history ends (+1000, +2000, +3000)
+TUNNEL_PORTS = [base + k for base in (PORT, *range(8276, 8281)) for k in (0, 1000, 2000, 3000)]
+# images the tests build on this machine (make upgrade's test; the registry test's probe): not the
+# project's current image, but each keeps the dlcluster:cpu it was built on alive (7 GB per stale one)
+TEST_IMAGES = ("dlcluster:cpu-next", "dlcluster:cpu-broken", "dlc-gc-probe:latest")
 NODES = {"node-1": "172.31.251.11", "node-2": "172.31.251.12", "node-3": "172.31.251.13"}
 # the bastion container's address on the private network, as the emulated inventory names it
 BASTION_PRIVATE = (yaml.safe_load(INVENTORY.read_text())["all"]["children"]["bastions"]["hosts"]
@@ -49,6 +59,61 @@ def run(cmd: list[str], env: dict, timeout: int = 900, check: bool = False) -> s
         assert proc.returncode == 0, \
             f"{cmd}: rc {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
+
+
+def get_json(port: int, path: str, token: str | None = None) -> tuple[int, object]:
+    """GET 127.0.0.1:port/path (with the token as Ray's job API takes it): its HTTP status and JSON
+    body (None for an error); (0, None) when nothing answers."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):  # e.g. the head restarting
+        return 0, None
+
+
+def _listeners(ports: list[int]) -> dict[int, int | None]:
+    """port -> the pid listening on it (None: one this user cannot see), for those of `ports` taken."""
+    return {c.laddr.port: c.pid for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports}
+
+
+def close_leftover_tunnels(stop_on_others: bool) -> None:
+    """The ssh tunnels into an emulated cluster (their -F is a clusters/emulated/ssh_config) that
+    hold one of the tier's ports: left by a run that was killed, or whose cluster-down failed.
+    emulate.sh down removes the containers they lead to, so they are ended. Anything else on the
+    tier's own ports (not its second operators') stops the session with one line, when asked."""
+    for port, pid in sorted(_listeners(TUNNEL_PORTS).items()):
+        try:
+            proc = psutil.Process(pid) if pid else None
+            name, cmdline = (proc.name(), proc.cmdline()) if proc else ("", [])
+            if name == "ssh" and any(a.endswith("/clusters/emulated/ssh_config") for a in cmdline):
+                proc.terminate()
+                if psutil.wait_procs([proc], timeout=10)[1]:
+                    proc.kill()
+                print(f"emulated: ended an ssh tunnel into an emulated cluster left on 127.0.0.1:{port} "
+                      f"(pid {pid})")
+                continue
+        except psutil.Error:  # it ended meanwhile
+            continue
+        if stop_on_others and port in (PORT, METRICS_PORT, GRAFANA_PORT, TRACKING_PORT):
+            command = " ".join(" ".join(cmdline).split())[:200]  # one line
+            if proc:
+                holder = f"pid {pid} ({command}), not a tunnel of an earlier run of it: stop it (kill {pid})"
+            else:
+                holder = "a process this user cannot see (as root: ss -ltnp): stop it"
+            pytest.exit(f"emulated: error: 127.0.0.1:{port}, a port of this tier's tunnel, is held by "
+                        f"{holder}, then run the tier again", returncode=2)
+
+
+def remove_test_images(env: dict) -> None:
+    for image in TEST_IMAGES:  # untagged; gone with its last tag, unless a container still uses it
+        if run(["docker", "image", "inspect", image], env).returncode == 0:
+            run(["docker", "image", "rm", image], env)
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -90,16 +155,7 @@ class Emulated:
         return (self.cluster_dir / "ray_token").read_text().strip()
 
     def api(self, path: str, token: str | None = None) -> tuple[int, object]:
-        req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}")
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, None
-        except (urllib.error.URLError, ConnectionError, TimeoutError):  # the head is restarting
-            return 0, None
+        return get_json(PORT, path, token)
 
     def alive_nodes(self) -> list[str]:
         status, body = self.api("/api/v0/nodes?limit=100&detail=false", self.token())
@@ -122,26 +178,12 @@ class Demo:
     there (env None), else one this tier starts as make demo would."""
     env: dict | None
 
-    def answers(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{DEMO_PORT}/api/version", timeout=10):
-                return True
-        except urllib.error.HTTPError:  # 401: token auth, as it should be
-            return True
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def jobs_status(self) -> int:
-        """The job API's answer to this tier's own demo cluster's token (its record): 200 when it runs."""
-        assert self.env is not None
+    def token(self) -> str | None:
+        """This tier's own demo cluster's token (its record); None for the user's, whose it does not read."""
+        if self.env is None:
+            return None
         desc = record.load(Path(self.env["DLC_CONFIG"]) / record.RECORD)
-        req = urllib.request.Request(f"{desc.job_api}/api/jobs/")
-        req.add_header("Authorization", f"Bearer {Path(desc.token_path).read_text().strip()}")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return Path(desc.token_path).read_text().strip()
 
     def down(self) -> None:
         if self.env is not None:
@@ -176,13 +218,32 @@ def emulated(tmp_path_factory, demo):
            "TRACKING_PORT": str(TRACKING_PORT)}
     env.pop("RAY_ADDRESS", None)
     env.pop("INVENTORY", None)
-    run(["tests/emulated/emulate.sh", "down"], env)  # a fresh start: new machines, new host keys
+    # a fresh start: what a killed run left (its tunnels, containers, networks, iptables rules, a
+    # fourth node, test images) gone; new machines, new host keys
+    close_leftover_tunnels(stop_on_others=True)
+    remove_test_images(env)
+    run(["tests/emulated/emulate.sh", "down"], env)
     run(["tests/emulated/emulate.sh", "up"], env, timeout=600, check=True)
     started = time.time()
     up = run(["scripts/cluster.sh", "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=1200)
     print(f"cluster-up through the bastion: {time.time() - started:.0f} s")
     print(up.stdout[-3000:], up.stderr[-2000:])
     yield Emulated(env, config, up, demo)
-    if (config / "cluster.json").exists():  # the last test's cluster-down did not run, or failed
-        run(["scripts/cluster.sh", "down"], {**env, "INVENTORY": str(INVENTORY)}, timeout=300)
-    run(["tests/emulated/emulate.sh", "down"], env, timeout=300)
+    try:
+        if (config / "cluster.json").exists():  # the last test's cluster-down did not run, or failed
+            run(["scripts/cluster.sh", "down"], {**env, "INVENTORY": str(INVENTORY)}, timeout=300)
+    finally:
+        try:
+            run(["tests/emulated/emulate.sh", "down"], env, timeout=300)
+        finally:  # a tunnel a failed cluster-down (or a second operator's test) left; the test images
+            close_leftover_tunnels(stop_on_others=False)
+            remove_test_images(env)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ends_the_tier: runs after every other test of the tier")
+
+
+def pytest_collection_modifyitems(items):
+    """cluster-down last, whatever was selected (-k) and in whatever order: the others need the cluster."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_the_tier") is not None)  # stable: file order

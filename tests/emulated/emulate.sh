@@ -12,10 +12,11 @@
 #           bastion. The ssh key is made here at run time ($DLC_CONFIG/emulated/id_ed25519) and
 #           only its public half is put into the containers. Then provision it like real servers:
 #           make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml
-#   down    remove the containers, networks, shared volume and the iptables rule; the key and the
-#           servers' data disks stay (the bastion's registry storage, node-3's /var/lib/docker), as
-#           a real site's disks outlive a reinstall: images are then cached by content, and the
-#           next run moves only the layers that changed
+#   down    remove the containers (a fourth node's too), networks, shared volume and the iptables
+#           rules (the tier's jump-host test's too); the key and the servers' data disks stay (the
+#           bastion's registry storage, node-3's /var/lib/docker), as a real site's disks outlive a
+#           reinstall: images are then cached by content, and the next run moves only the layers
+#           that changed
 #   purge   down, and the data disks too
 #   status  what is running
 #
@@ -58,6 +59,10 @@ SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock --cap-add ALL --cap-drop SYS_RESOUR
               --security-opt seccomp=unconfined --security-opt systempaths=unconfined
               --restart unless-stopped)
 CGROUP_RO=(-v /sys/fs/cgroup:/sys/fs/cgroup:ro)
+
+# The rule the tier's jump-host test adds while it runs (test_emulated.py: its `block`): this machine
+# cannot open a connection to the bastion itself. A run killed in that test leaves it; down removes it.
+JUMP_TEST_BLOCK=(OUTPUT -d "$BASTION_PUB" -p tcp -m conntrack --ctstate NEW -j REJECT)
 
 block_host() {  # the host reaches the private network only through the bastion (the outside one: never)
   for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
@@ -200,12 +205,17 @@ down() {
     exists "$c" && "$DOCKER" rm -f "$c" >/dev/null && say "removed $c"
   done
   for net in "$PRIV_NET" "$PUB_NET" "$OUT_NET"; do
-    exists "$net" && "$DOCKER" network rm "$net" >/dev/null
+    exists "$net" || continue
+    # and the unnamed containers the tests start on them (strangers, probes: docker run --rm), as a
+    # killed run leaves them: a network with a container on it cannot be removed
+    "$DOCKER" ps -aq --filter "network=$net" | xargs -r "$DOCKER" rm -f >/dev/null
+    "$DOCKER" network rm "$net" >/dev/null
   done
   "$DOCKER" volume rm "$VOLUME" >/dev/null 2>&1 || true
   for bridge in "$PRIV_BRIDGE" "$OUT_BRIDGE"; do
     while iptables -D OUTPUT -o "$bridge" -j REJECT 2>/dev/null; do :; done
   done
+  while iptables -D "${JUMP_TEST_BLOCK[@]}" 2>/dev/null; do :; done
   say "down (the key in $KEYDIR and the data disks stay: $(disks | tr '\n' ' '))"
 }
 
