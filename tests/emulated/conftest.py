@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from trainkit import record
+from trainkit.versions import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "ansible/inventories/emulated/hosts.yml"
@@ -191,8 +192,28 @@ class Demo:
             self.env = None
 
 
+# the demo stand-in's DLC_CONFIG while it runs: a killed run's is stopped by the next run, not
+# taken for the user's own `make demo`
+STAND_IN = cache_dir() / "test-state" / "emulated-demo-stand-in"
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
+    def stand_in_env(config: Path) -> dict:
+        # one node: what the tier needs of it is a second cluster answering beside its own, and a
+        # second node would idle on the 2 cores for the whole tier
+        env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": "6379", "DASHBOARD_PORT": str(DEMO_PORT),
+               "NODES": "1", "CPUS_PER_NODE": "0"}
+        for name in ("RAY_ADDRESS", "INVENTORY"):
+            env.pop(name, None)
+        return env
+
+    if STAND_IN.is_file():  # a killed earlier run's stand-in: not the user's demo, stopped
+        left = Path(STAND_IN.read_text().strip())
+        if left.is_dir():
+            print(f"stopping the demo stand-in a killed earlier run left ({left})")
+            run(["scripts/cluster.sh", "down"], stand_in_env(left), timeout=300)
+        STAND_IN.unlink()
     with socket.socket() as s:
         busy = s.connect_ex(("127.0.0.1", DEMO_PORT)) == 0
     if busy:
@@ -200,14 +221,16 @@ def demo(tmp_path_factory):
         yield Demo(None)
         return
     config = tmp_path_factory.mktemp("demo-config")
-    env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": "6379", "DASHBOARD_PORT": str(DEMO_PORT),
-           "NODES": "2", "CPUS_PER_NODE": "0"}
-    for name in ("RAY_ADDRESS", "INVENTORY"):
-        env.pop(name, None)
+    env = stand_in_env(config)
+    STAND_IN.parent.mkdir(parents=True, exist_ok=True)
+    STAND_IN.write_text(f"{config}\n")
     run(["scripts/cluster.sh", "up"], env, timeout=300, check=True)
     d = Demo(env)
-    yield d
-    d.down()
+    try:
+        yield d
+    finally:
+        d.down()
+        STAND_IN.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
