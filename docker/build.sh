@@ -14,6 +14,7 @@
 #               holds a certificate (a TLS-intercepting proxy), else none]; "none": never
 #   PYTHON      the client's interpreter: the image must run the same major.minor
 #                                                            [versions.env's DEFAULT_PYTHON]
+#   IMAGE_REBUILD  1: build even when IMAGE is labelled with the same inputs' hash           [0]
 # Steps: a Docker engine (docker/engine.sh), the base, the wheelhouse linked into .whl/
 # (scripts/wheelhouse.sh), then `docker build`. Each build's seconds and cached/run steps are
 # appended to $DLC_CACHE/image-builds.tsv for `make image-report`; the full log is
@@ -95,6 +96,24 @@ fi
 commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 if [ "$commit" != unknown ] && [ -n "$(git status --porcelain -uno 2>/dev/null)" ]; then commit=$commit-dirty; fi
 
+# What the image is made of, hashed: the files the build reads (.dockerignore's list; the wheelhouse
+# by the locks it is collected from; .prebuilt/ by the versions and patch that key it), the base
+# image's id and the build arguments. An image already labelled with the same hash is not built
+# again (a second `make image` in one `make test`, the emulated tier's after the image tier's: the
+# same image id, so its node image, push and pull are the same too); IMAGE_REBUILD=1 builds anyway.
+inputs=$( {
+  printf '%s\n' "$("$DOCKER" image inspect -f '{{.Id}}' "$BASE_IMAGE")" "$pyver" "$PIN_PIP" "${CUDA_ARCHS:-}" \
+    "$tf_venv" "$commit" "${secret[*]:+ca}"
+  find docker/Dockerfile .dockerignore pyproject.toml versions.env trainkit jobs scripts/build_horovod.sh \
+    docker/slim_cuda.sh patches requirements.lock docker/tf-cuda.lock -type f \
+    -not -name '*.pyc' -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
+} | sha256sum | cut -c1-32)
+if [ "${IMAGE_REBUILD:-0}" != 1 ] \
+   && [ "$("$DOCKER" image inspect -f '{{index .Config.Labels "dlcluster.inputs"}}' "$IMAGE" 2>/dev/null)" = "$inputs" ]; then
+  echo "image: $IMAGE is up to date (built from the same inputs, $inputs): not built again"
+  exit 0
+fi
+
 log=$CACHE/image-build.log
 # the build's progress on the terminal: each step once, as it starts, cut to one line
 show_steps() {
@@ -112,7 +131,8 @@ b0=$SECONDS
 set +e
 "$DOCKER" build --progress=plain -f docker/Dockerfile -t "$IMAGE" "${secret[@]}" \
   --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON="python$pyver" --build-arg PYTHON_VERSION="$pyver" \
-  --build-arg PIN_PIP="$PIN_PIP" --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" . 2>&1 |
+  --build-arg PIN_PIP="$PIN_PIP" --build-arg CUDA_ARCHS="${CUDA_ARCHS:-}" --build-arg TF_VENV="$tf_venv" --build-arg DLC_GIT_COMMIT="$commit" \
+  --label "dlcluster.inputs=$inputs" . 2>&1 |
   tee "$log" | grep --line-buffered -E '^#[0-9]+ (\[[a-z]+ +[0-9]+/[0-9]+\]|CACHED$)|ERROR' | show_steps
 rc=${PIPESTATUS[0]}
 set -e
