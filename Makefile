@@ -171,7 +171,9 @@ BASE_IMAGE ?=
 CUDA_ARCHS ?=
 # CA bundle for the build's apt steps (BuildKit secret); empty: the host's when it trusts an extra CA; none
 CA_BUNDLE  ?=
-export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE
+# 1: build even when the image there was built from the same inputs (its dlcluster.inputs label)
+IMAGE_REBUILD ?= 0
+export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE IMAGE_REBUILD
 .PHONY: wheels image-base image image-test test-image image-report
 
 wheels: setup ## the wheelhouse of the lock's runtime part that image builds install from (no index)
