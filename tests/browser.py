@@ -63,10 +63,14 @@ def signed_in(browser: str, user: str, password: str, size: tuple[int, int] = (1
             chrome.close()
 
 
-# the points a chart card of MLflow's run page draws (plotly: one path.point per step)
+# the points a chart card of MLflow's run page draws (plotly: one path.point per step). The card is
+# the widest element around the title that holds no other chart's title: a card whose chart is not
+# drawn yet counts 0 (walking up to the first element with a chart in it once counted three
+# charts' points, 9 for 3, when the loss card had not drawn yet)
 _CHART_POINTS = """title => {
   let card = document.querySelector(`h4[title="${title}"]`);
-  while (card && !card.querySelector('svg.main-svg')) card = card.parentElement;
+  while (card && card.parentElement && card.parentElement.querySelectorAll('h4[title]').length === 1)
+    card = card.parentElement;
   return card ? card.querySelectorAll('g.points path.point').length : 0;
 }"""
 
