@@ -197,7 +197,7 @@ image-report: ## the image's size per layer group and its build times, cold and 
 emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)
 	@tests/emulated/emulate.sh up
 
-emulate-down: ## remove the emulated cluster's containers, networks, shared volume and iptables rule (its data disks stay: images cached by content)
+emulate-down: ## remove the emulated cluster's containers, networks, shared volume and every iptables rule the tier adds (its data disks stay: images cached by content)
 	@tests/emulated/emulate.sh down
 
 emulate-purge: ## emulate-down, and the emulated servers' data disks (registry storage, node-3's Docker)
