@@ -42,6 +42,7 @@ METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's ME
 GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (test_emulated.operator)
 TRACKING_PORT = 11275  # the run history's local end (make cluster-up's TRACKING_PORT), PORT + 3000
 DEMO_PORT = 8265
+DEMO_RAY_PORT = 6379
 # every local tunnel end the tier opens: its own, and its second operators' (test_emulated.operator:
 # 8276-8280), each with its Prometheus, Grafana and run-history ends (+1000, +2000, +3000)
 TUNNEL_PORTS = [base + k for base in (PORT, *range(8276, 8281)) for k in (0, 1000, 2000, 3000)]
@@ -197,17 +198,19 @@ class Demo:
 STAND_IN = cache_dir() / "test-state" / "emulated-demo-stand-in"
 
 
+def stand_in_env(config: Path) -> dict:
+    """`make demo`'s cluster as the tier stands it in: one node (what the tier needs of it is a
+    second cluster answering beside its own; a second node would idle on the 2 cores for the whole
+    tier)."""
+    env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": str(DEMO_RAY_PORT),
+           "DASHBOARD_PORT": str(DEMO_PORT), "NODES": "1", "CPUS_PER_NODE": "0"}
+    for name in ("RAY_ADDRESS", "INVENTORY"):
+        env.pop(name, None)
+    return env
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    def stand_in_env(config: Path) -> dict:
-        # one node: what the tier needs of it is a second cluster answering beside its own, and a
-        # second node would idle on the 2 cores for the whole tier
-        env = {**os.environ, "DLC_CONFIG": str(config), "RAY_PORT": "6379", "DASHBOARD_PORT": str(DEMO_PORT),
-               "NODES": "1", "CPUS_PER_NODE": "0"}
-        for name in ("RAY_ADDRESS", "INVENTORY"):
-            env.pop(name, None)
-        return env
-
     if STAND_IN.is_file():  # a killed earlier run's stand-in: not the user's demo, stopped
         left = Path(STAND_IN.read_text().strip())
         if left.is_dir():
