@@ -497,6 +497,9 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "serve-tracking":
         a.server = a.server[1:] if a.server[:1] == ["--"] else a.server
+        if not a.server:
+            fail("serve-tracking needs the server's command after --, e.g. serve-tracking -- "
+                 ".venv/bin/mlflow server ... (make cluster-up runs it so)")
     if a.cmd == "up" and a.port == a.dashboard_port:
         fail(f"RAY_PORT and DASHBOARD_PORT are both {a.port}; give them different ports")
     {"up": up, "down": down, "status": status, "serve-tracking": serve_tracking}[a.cmd](a)
