@@ -148,6 +148,11 @@ def test_a_killed_worker_restarts_from_the_checkpoint(cluster, tmp_path, job, ar
     if job == "tf_cnn":  # the TF job's run across both nodes: MultiWorkerMirrored, its model whole
         from test_tf_cnn import check_model
         check_model(tmp_path / "model", 2, "multiworker")
+    else:  # the Horovod job's run across both nodes (HorovodTrainer), its model whole: 750 digits
+        # a rank in batches of 16 (47 iterations), 149 test digits (10)
+        from test_horovod_mnist import check_model, check_parity_from_checkpoint
+        assert check_model(tmp_path / "model", 2, epochs=epochs, iters=(47, 10))["launcher"] == "ray"
+        check_parity_from_checkpoint(tmp_path / "runs", tmp_path / "model")
 
 
 def check_refused(second: Running, first: Running, job: str, output: Path) -> None:

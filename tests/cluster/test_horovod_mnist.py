@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import BIN, REPO, plain_env, ray_noise, read_manifest
+from conftest import BIN, REPO, plain_env, read_manifest
 from horovod_mnist import Net
 
 from trainkit import versions
@@ -15,37 +15,38 @@ from trainkit import versions
 JOB = "horovod_mnist"
 
 
-def check_model(out, world):
+def check_model(out, world, epochs: int = 1, iters: tuple[int, int] = (12, 3)):
+    """The published model and its manifest; `iters`: each rank's (training, validation)
+    iterations of an epoch (1500 training digits and 297 test digits over `world` ranks: at batch
+    64 and 2 ranks, 12 and 3)."""
     m = read_manifest(out)
     assert m["world_size"] == world and m["replicas_in_sync"] is True
     assert len(m["replica_digests"]) == world and len(set(m["replica_digests"])) == 1
     assert m["parity"]["max_abs_diff"] <= 1e-4
     assert m["inputs"][0]["shape"] == ["batch", 1, 28, 28] and m["outputs"][0]["shape"] == ["batch", 10]
     assert m["versions"]["horovod"] == versions.values()["PIN_HOROVOD"]
-    assert m["metrics"]["world_size"] == world and m["metrics"]["epoch"] == 1
-    # 1500 training digits over 2 ranks in batches of 64: 12 iterations each; 297 test digits: 3
-    assert (m["metrics"]["train_iters"], m["metrics"]["val_iters"]) == (12, 3)
+    assert m["metrics"]["world_size"] == world and m["metrics"]["epoch"] == epochs
+    assert (m["metrics"]["train_iters"], m["metrics"]["val_iters"]) == iters
     assert 0 <= m["metrics"]["val_accuracy"] <= 1 and m["metrics"]["val_loss"] > 0
     assert m["metrics"]["allreduce_s"] > 0  # time waiting in optimizer.synchronize()
+    return m
 
 
-def test_horovod_trainer_on_two_nodes(cluster, tmp_path):
-    out = tmp_path / "model"
-    proc = cluster.submit(JOB, "--epochs", "1", "--batch-size", "64", "--storage-path",
-                          str(tmp_path / "runs"), "--name", "hvd", "--output", str(out))
-    assert proc.returncode == 0 and "succeeded" in proc.stdout
-    assert ray_noise(proc.stdout) == []
-    check_model(out, 2)
-    assert read_manifest(out)["launcher"] == "ray"
-    # the parity the manifest claims, checked here without the code under test: the last
-    # checkpoint's weights in a fresh Net against onnxruntime on new digits
-    last = sorted((tmp_path / "runs").rglob("state.pt"), key=lambda p: p.parent.name)[-1]
+def check_parity_from_checkpoint(runs, out) -> None:
+    """The parity the manifest claims, checked here without the code under test: the last
+    checkpoint's weights in a fresh Net against onnxruntime on new digits."""
+    last = sorted(runs.rglob("state.pt"), key=lambda p: p.parent.name)[-1]
     model = Net().eval()
     model.load_state_dict(torch.load(last, map_location="cpu")["model"])
     x = np.random.rand(5, 1, 28, 28).astype(np.float32)
     y = ort.InferenceSession(str(out / "model.onnx")).run(None, {"input": x})[0]
     with torch.no_grad():
         np.testing.assert_allclose(y, model(torch.from_numpy(x)).numpy(), atol=1e-4)
+
+
+# HorovodTrainer across both nodes: its run is the fault-tolerance test's (test_fault_tolerance.py,
+# a worker killed mid-run), which checks its model, manifest and parity with check_model and
+# check_parity_from_checkpoint above.
 
 
 def test_horovodrun_without_ray(cluster, tmp_path):
