@@ -148,6 +148,11 @@ def tracking(text: str) -> str:
         port = u.port
     except ValueError:
         port = None
+    if u.username is not None or u.password is not None:  # never echoed: the line shows the host only
+        raise argparse.ArgumentTypeError(
+            f"'{u.scheme}://***@{u.hostname}{f':{port}' if port else ''}' holds credentials, which would "
+            "land in the run's flags, log and manifest: give http(s)://HOST:PORT alone, and the "
+            "credentials in the file DLC_TRACKING_AUTH names (one line user:password, mode 0600)")
     if u.scheme not in ("http", "https") or not u.hostname or not port:
         raise argparse.ArgumentTypeError(f"{text!r} is not off, auto or http://HOST:PORT (the MLflow "
                                          "server's address, e.g. http://127.0.0.1:5000)")

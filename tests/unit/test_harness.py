@@ -45,6 +45,9 @@ BAD_FLAGS = [
     (["--max-failures", "-2"], "--max-failures: -2 must be 0 or more, or -1 for no limit"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints: 0 must be at least 1"),
     (["--tracking", "127.0.0.1:5000"], "--tracking: '127.0.0.1:5000' is not off, auto or http://HOST:PORT"),
+    (["--tracking", "http://admin:s3cret@10.0.0.5:5000"],
+     "--tracking: 'http://***@10.0.0.5:5000' holds credentials, which would land in the run's flags, log "
+     "and manifest: give http(s)://HOST:PORT alone, and the credentials in the file DLC_TRACKING_AUTH names"),
 ]
 
 
@@ -73,6 +76,7 @@ def test_each_bad_flag_is_one_line_and_nothing_is_written(tmp_path, monkeypatch,
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("ddp_autoencoder: error: argument "), errors
     assert line in errors[0]
+    assert "s3cret" not in errors[0]  # a password given in a flag is not repeated back
     assert list(tmp_path.iterdir()) == []  # no run folder, no model, no data
 
 
