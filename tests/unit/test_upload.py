@@ -147,3 +147,70 @@ def test_upload_of_a_missing_or_outside_file_is_one_line_and_stages_nothing(tmp_
     with pytest.raises(UserError, match="^" + re.escape(expect)):
         upload.stage(REPO, stage, named)
     assert not any(stage.iterdir())
+
+
+def _small_repo(tmp_path: Path) -> Path:
+    """A checkout of a few tracked files (job.py, lib/util.py) and a link to its folder lib."""
+    repo = tmp_path / "checkout"
+    (repo / "lib").mkdir(parents=True)
+    (repo / "job.py").write_text("print('job')\n")
+    (repo / "lib/util.py").write_text("X = 1\n")
+    (repo / "jobs").mkdir()
+    (repo / "jobs/lib").symlink_to("../lib")
+    _git("init", "-q", cwd=repo)
+    _git("add", ".", cwd=repo)
+    _git("-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", "files", cwd=repo)
+    return repo
+
+
+@pytest.mark.parametrize("link,expect", [
+    ("jobs/creds", "jobs/creds is a link to {outside}, outside the checkout "),
+    ("data/inner", "data/inner is a link to {outside}, outside the checkout "),
+    ("jobs/env", "jobs/env is a link to .env, which git does not track and UPLOAD does not name"),
+])
+def test_a_tracked_link_out_of_what_travels_is_one_line_and_stages_nothing(tmp_path, link, expect):
+    """Ray's packaging follows links: a tracked link to a file outside the checkout, or to one git
+    does not track, would upload that file (security review N3)."""
+    from trainkit import upload
+    from trainkit.errors import UserError
+
+    repo = _small_repo(tmp_path)
+    secret = tmp_path / "outside-creds"
+    secret.write_text("token\n")
+    (repo / ".env").write_text("token\n")
+    target = secret if link != "jobs/env" else Path("../.env")
+    (repo / link).parent.mkdir(exist_ok=True)
+    (repo / link).symlink_to(target)
+    _git("add", "-f", link, cwd=repo)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(UserError, match="^" + re.escape(expect.format(outside=secret))):
+        upload.stage(repo, stage)
+    assert not any(stage.iterdir())
+
+
+def test_links_inside_travel_as_links_and_no_git_folder_or_submodule_travels(tmp_path):
+    """A link to a tracked folder travels as a link within the upload; a submodule (its files are
+    not git's) and an embedded clone's .git in a folder UPLOAD names stay here (N11, N2)."""
+    from trainkit import upload
+
+    repo = _small_repo(tmp_path)
+    sub = tmp_path / "sub"
+    (sub / "x").mkdir(parents=True)
+    (sub / "x/a.py").write_text("A = 1\n")
+    _git("init", "-q", cwd=sub)
+    _git("add", ".", cwd=sub)
+    _git("-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", "sub", cwd=sub)
+    _git("-c", "protocol.file.allow=always", "submodule", "add", "-q", str(sub), "vendor/sub", cwd=repo)
+    _git("-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", "submodule", cwd=repo)
+    shutil.copytree(sub, repo / "notes")  # an embedded clone, named in UPLOAD
+    _git("config", "remote.origin.url", "https://user:TOKEN@git.example.org/x.git", cwd=repo / "notes")
+    assert upload.gitlinks(repo) == ["vendor/sub"]
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    files = upload.stage(repo, stage, ["notes"])
+    assert "vendor/sub" not in files and not (stage / "vendor/sub").exists()
+    assert "notes/x/a.py" in files and not [f for f in files if "/.git" in f or f.startswith(".git/")]
+    assert not (stage / "notes/.git").exists()
+    assert (stage / "jobs/lib").is_symlink() and os.readlink(stage / "jobs/lib") == "../lib"
+    assert (stage / "jobs/lib/util.py").read_text() == "X = 1\n"
