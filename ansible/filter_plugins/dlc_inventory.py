@@ -27,7 +27,8 @@ PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
          "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port",
          "dlc_registry_port", "dlc_registry_push_port", "docker_push_port", "dlc_prometheus_port",
-         "metrics_node_exporter_port")
+         "metrics_node_exporter_port", "metrics_dcgm_exporter_port", "dlc_grafana_port", "dlc_tracking_port",
+         "dlc_tunnel_port", "dlc_metrics_tunnel_port", "dlc_grafana_tunnel_port", "dlc_tracking_tunnel_port")
 # `ray start` flags (a list, one item per argument): each item is quoted where it is used (the
 # unit's ExecStart, the container's shell), so JSON such as '{"nvme": 1}' stays one argument; no
 # quote, `$`, `%`, backslash or line break, which systemd or the shell would still read
@@ -40,8 +41,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 WORDS = ("ansible_host", "ansible_user", "dlc_ssh_user", "dlc_ssh_key", "dlc_ssh_gateway", "dlc_image",
          "docker_image_archive")
 WORD = re.compile(r"[A-Za-z0-9._~/@:+%=,\[\]-]+")
-# Ray's account: a POSIX account name
+# Ray's account: a POSIX account name (the run history's user too: it goes into a shell and a
+# Python string when its password is set)
 ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user")
+# PostgreSQL's names for the run history (its account and databases): SQL identifiers, unquoted
+SQL_NAMES = ("tracking_db_user", "tracking_db", "tracking_auth_db")
+SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 def _value(hv, name):
@@ -60,10 +66,16 @@ def word_problems(host: str, hv, names=WORDS) -> list:
         if value is not None and str(value) != "" and not WORD.fullmatch(str(value)):
             out.append(f"{host}: {name} is {str(value)!r}: it goes into the ssh config and "
                        f"commands as one word, so it may hold no spaces, quotes, `#` or line breaks")
-    user = _value(hv, "dlc_ray_user")
-    if user is not None and not ACCOUNT.fullmatch(str(user)):
-        out.append(f"{host}: dlc_ray_user is {str(user)!r}: an account name is lower "
-                   f"case letters, digits, _ and -, starting with a letter or _")
+    for name in ACCOUNTS:
+        user = _value(hv, name)
+        if user is not None and not ACCOUNT.fullmatch(str(user)):
+            out.append(f"{host}: {name} is {str(user)!r}: an account name is lower "
+                       f"case letters, digits, _ and -, starting with a letter or _")
+    for name in SQL_NAMES:
+        value = _value(hv, name)
+        if value is not None and not SQL_NAME.fullmatch(str(value)):
+            out.append(f"{host}: {name} is {str(value)!r}: PostgreSQL takes it unquoted, so use lower "
+                       f"case letters, digits and _, starting with a letter or _")
     return out
 
 
@@ -226,6 +238,10 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
         out.append(f"all: the cluster's name is {str(name)!r} (dlc_cluster_name, else the inventory's "
                    f"folder): use letters, digits, . _ - (a folder under $DLC_CONFIG/clusters)")
     seen = {}
+    for host in [*nodes, bastion]:  # into certificates (a root shell's -subj), /etc/hosts, the ssh config
+        if not NAME.fullmatch(str(host)):
+            out.append(f"{host!r}: a server's name in the inventory goes into its certificate, /etc/hosts "
+                       f"and the ssh config: use letters, digits, . _ - (its address goes in ansible_host)")
     for host in nodes:
         hv = hostvars[host]
         out.extend(host_problems(host, hv))

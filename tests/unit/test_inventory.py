@@ -127,6 +127,18 @@ BAD = [
      "firewall_public_tcp_ports is [22, 65536]"),
     ("archive-with-space", on(NODE3, "          docker_image_archive: /tmp/my image.tar\n"),
      "gpu-node-3: docker_image_archive is '/tmp/my image.tar'"),
+    # security review N9: what reaches a root shell, a Python string or SQL; the newest ports
+    ("node-name-a-command", lambda t: t.replace("        gpu-node-3:\n", "        w$(touch${IFS}/tmp/p):\n"),
+     "'w$(touch${IFS}/tmp/p)': a server's name in the inventory goes into its certificate"),
+    ("tracking-user-a-quote", on(VARS, "    dlc_tracking_user: \"dlc'); import os #\"\n"),
+     "dlc_tracking_user is \"dlc'); import os #\": an account name is lower case letters"),
+    ("tracking-db-sql", on(VARS, "    tracking_db: 'mlflow; DROP DATABASE postgres'\n"),
+     "tracking_db is 'mlflow; DROP DATABASE postgres': PostgreSQL takes it unquoted"),
+    ("tracking-port-too-big", on(VARS, "    dlc_tracking_port: 70000\n"),
+     "dlc_tracking_port is '70000': a port"),
+    ("grafana-port-word", on(VARS, "    dlc_grafana_port: grafana\n"),
+     "dlc_grafana_port is 'grafana': a port"),
+    ("dcgm-port-zero", on(VARS, "    metrics_dcgm_exporter_port: 0\n"), "metrics_dcgm_exporter_port is '0'"),
 ]
 
 # Values only the play resolves (checked once, as `all`): the cluster's name and the config folder
