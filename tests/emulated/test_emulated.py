@@ -1710,8 +1710,9 @@ NODE4 = "172.31.251.14"
 def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_it_out(emulated, tmp_path):
     """A fourth server (a container like the others) added to the inventory: cluster-up provisions
     it and it joins; Ray on the three others is not restarted. make remove-node NODE=node-4 drains
-    it, stops and disables its Ray, and leaves it out of every node's /etc/hosts, the bastion's
-    client list and the cluster record, again restarting nothing else: Ray lists the three alive.
+    it, stops and disables its Ray, removes the cluster's secrets from it (token, TLS key, run-history
+    credentials), and leaves it out of every node's /etc/hosts, the bastion's client list and the
+    cluster record, again restarting nothing else: Ray lists the three alive.
     Bad NODE values are one line each before anything changes."""
     make = ["make", "--no-print-directory", "remove-node"]
     for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
@@ -1752,8 +1753,10 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         desc = json.loads((emulated.config / "cluster.json").read_text())
         assert sorted(n["name"] for n in desc["nodes"]) == sorted(NODES)
         state = emulated.ssh("node-4", "systemctl is-active dlc-ray; systemctl is-enabled dlc-ray; "
-                             "test -e /etc/dlcluster/quarantine && echo quarantined").stdout.split()
-        assert state == ["inactive", "disabled"], state
+                             "test -e /etc/dlcluster/quarantine && echo quarantined; "
+                             "for f in /etc/dlcluster/ray_token /etc/dlcluster/tracking_auth "
+                             f"{TLS}; do sudo test -e $f && echo kept:$f; done").stdout.split()
+        assert state == ["inactive", "disabled"], state  # no secret of the cluster kept there
         for node in NODES:
             assert "node-4" not in emulated.ssh(node, "cat /etc/hosts").stdout, node
         assert NODE4 not in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
