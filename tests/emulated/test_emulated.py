@@ -352,7 +352,7 @@ def test_the_bastions_services_were_configured_before_their_packages_came(emulat
         assert all(written[name] <= installed[p] for p in packages), (name, written[name], installed)
 
 
-def test_nfs_and_rpcbind_never_start_without_the_firewall(emulated):
+def test_nfs_rpcbind_and_the_metrics_never_start_without_the_firewall(emulated):
     """The NFS server and rpcbind listen on every interface: like Ray, they require the firewall,
     so a firewall that fails at boot leaves them down. Their packages installed on node-2 here (the
     emulated cluster shares a path instead: a kernel NFS server cannot run in these containers),
@@ -373,6 +373,15 @@ def test_nfs_and_rpcbind_never_start_without_the_firewall(emulated):
         assert "dlc-firewall.service" in props["Requires"].split(), props
         assert "dlc-firewall.service" in props["After"].split(), props
     assert len(shown.strip().split("\n\n")) == 3, shown
+    # the metrics exporter on every node and Prometheus on the head, which answer without a login
+    # (security review N7), the same way
+    for node, unit in (("node-2", "prometheus-node-exporter.service"), ("node-1", "prometheus.service")):
+        shown = emulated.ssh(node, "systemctl", "show", "-p", "ActiveState", "-p", "Requires", "-p", "After",
+                             unit).stdout
+        props = dict(line.split("=", 1) for line in shown.splitlines())
+        assert props["ActiveState"] == "active", (node, unit, props)
+        assert "dlc-firewall.service" in props["Requires"].split(), (node, unit, props)
+        assert "dlc-firewall.service" in props["After"].split(), (node, unit, props)
 
 
 def test_nodes_are_reachable_only_through_the_bastion(emulated, tmp_path):
