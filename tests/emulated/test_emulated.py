@@ -174,12 +174,14 @@ def test_the_first_cluster_up_recorded_the_performance_baseline(emulated):
     assert perf.commit == run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
 
 
-def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated):
+def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated, tmp_path):
     """The quick start in its order: make demo (a local cluster on 127.0.0.1:8265, left running),
     then make test. The emulated cluster came up beside it on the tier's own tunnel port; both
     answer as Ray's job API does (401 without the token, the jobs with the cluster's own), and the
-    demo's port is another cluster (the emulated cluster's token refused there). The local cluster
-    is then stopped, if this tier started it, for the CPUs."""
+    demo's port is another cluster (the emulated cluster's token refused there). cluster-up of the
+    servers on the default ports, the README's next step, stops first with one line naming the
+    port the demo holds and its holder. The local cluster is then stopped, if this tier started
+    it, for the CPUs."""
     try:
         assert emulated.up.returncode == 0
         desc = json.loads((emulated.config / "cluster.json").read_text())
@@ -195,6 +197,23 @@ def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated):
         if emulated.demo.env is not None:  # the tier's own stand-in for it: its token lists its jobs
             status, listed = get_json(DEMO_PORT, "/api/jobs/", emulated.demo.token())
             assert status == 200 and isinstance(listed, list), (status, listed)
+        # the README's next step with the demo still up: cluster-up of servers on the default ports
+        # (an operator of their own here, whose tunnel is not open) stops in seconds, before any
+        # server is touched, naming the held port and its holder
+        env = operator(emulated, tmp_path, "defaults", 0)
+        for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT", "TRACKING_PORT"):
+            env.pop(name)
+        started = time.time()
+        proc = run(["scripts/cluster.sh", "up"], env, timeout=300)
+        took = time.time() - started
+        last = proc.stderr.strip().splitlines()[-1]
+        print(f"{took:.0f} s: {last}")
+        assert proc.returncode != 0 and untouched(proc) and "PLAY [Nodes" not in proc.stdout
+        held = (rf"port {DEMO_PORT} here \(the tunnel's local end, DASHBOARD_PORT\) is held by \S+ \(pid "
+                r"\d+, user \S+\): Ray's dashboard \(the local cluster's\?\); make cluster-down stops the "
+                r"local cluster, or set DASHBOARD_PORT to a free port")
+        assert re.search(held, last), last
+        assert "; nothing was changed (log: " in last and took < 120, (took, last)
     finally:
         emulated.demo.down()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +262,28 @@ def test_a_config_folder_inside_the_checkout_is_refused_before_anything_runs(con
     assert line.split(" *** ", 1)[1] == (
         f"DLC_CONFIG={config} is inside the checkout {REPO}, whose files travel with every job; set "
         f"it outside, e.g. DLC_CONFIG={os.environ['HOME']}/.config/dlcluster.  Stop.")
+
+
+def test_a_held_tunnel_port_is_named_with_its_holder(tmp_path):
+    """roles/control's check before any server is touched (files/held_ports.py, as the play runs
+    it): a port a process listens on is named with that process and what it most likely is; a free
+    one is not named."""
+    script = ANSIBLE / "roles/control/files/held_ports.py"
+    # a process whose command line names MLflow, as the local cluster's run history's does
+    holder = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.socket(); "
+                               "s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); "
+                               "time.sleep(60)", "mlflow"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free = s.getsockname()[1]
+        proc = subprocess.run([str(REPO / ".venv-ansible/bin/python"), str(script), f"{port}=TRACKING_PORT",
+                               f"{free}=DASHBOARD_PORT"], capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"{port} TRACKING_PORT {Path(sys.executable).name} (pid {holder.pid}, user "
+        f"{pwd.getpwuid(os.getuid()).pw_name}): the local cluster's run history; "
+        "make cluster-down stops the local cluster"], proc.stdout
