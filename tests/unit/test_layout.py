@@ -1,0 +1,86 @@
+"""The layout's debts, counted so they only go down (issue: a layout that shows the architecture):
+the import cycle among the harness's modules, the path tricks outside the tests, and the harness
+never importing an operator's tool. Each allowance is today's count; a change that pays a debt off
+lowers it here, a change that adds one fails."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "trainkit"
+# trainkit's modules an operator runs on the control host, never a node: the harness the jobs
+# import must not reach them
+OPERATOR_TOOLS = {"baseline", "doctor", "doctor_probe", "runs", "submissions", "upload", "plots"}
+
+ALLOWED_IN_CYCLES = 7  # job, in_process, on_ray, publish, tracking, keras_loop, parameter_servers
+ALLOWED_PATH_TRICKS = 10  # 8 sys.path.insert outside tests/, 2 PYTHONPATH= in the Makefile
+
+
+def imports(path: Path) -> set[str]:
+    """The trainkit modules `path` imports, at any depth (top level, in functions, TYPE_CHECKING)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y, from . import x
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainkit"):
+            rest = node.module.removeprefix("trainkit").lstrip(".")
+            found |= {rest.split(".")[0]} if rest else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("trainkit.")}
+    modules = {p.stem for p in HARNESS.glob("*.py")}
+    return found & modules - {path.stem}
+
+
+def graph() -> dict[str, set[str]]:
+    return {p.stem: imports(p) for p in HARNESS.glob("*.py") if p.stem != "__init__"}
+
+
+def in_cycles(edges: dict[str, set[str]]) -> set[str]:
+    """The modules that reach themselves through their imports."""
+    def reach(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            for nxt in edges.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+    return {m for m in edges if m in reach(m)}
+
+
+def test_the_import_cycle_among_the_harness_modules_does_not_grow():
+    cycle = in_cycles(graph())
+    print(f"{len(cycle)} harness modules in an import cycle: {sorted(cycle)}")
+    assert len(cycle) <= ALLOWED_IN_CYCLES, sorted(cycle)
+    # the counting sees a cycle where there is one: two modules importing each other
+    assert in_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {"a", "b"}
+
+
+def test_the_harness_never_reaches_an_operators_tool():
+    edges = graph()
+    jobs = set()
+    for job in (REPO / "jobs").glob("*.py"):
+        jobs |= imports(job)
+    reached, stack = set(jobs), list(jobs)
+    while stack:
+        for nxt in edges.get(stack.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                stack.append(nxt)
+    assert {"job", "flags", "torch_loop"} <= reached, sorted(reached)  # the walk finds the harness
+    assert not reached & OPERATOR_TOOLS, sorted(reached & OPERATOR_TOOLS)
+
+
+def test_path_tricks_outside_the_tests_do_not_grow():
+    files = subprocess.run(["git", "ls-files", "*.py", "Makefile", "*.sh"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    # (scripts/gpu_tier.sh's `export PYTHONPATH=` is a bare GPU machine's site of staged wheels)
+    tricks = [f"{name}:{n}" for name in files if not name.startswith("tests/")
+              for n, line in enumerate((REPO / name).read_text().splitlines(), 1)
+              if re.search(r"sys\.path\.(insert|append)\(|^\s*@?PYTHONPATH=", line)]
+    print(f"{len(tricks)} path tricks: {tricks}")
+    assert len(tricks) <= ALLOWED_PATH_TRICKS, tricks
