@@ -145,8 +145,16 @@ class Emulated:
         return run(["ssh", "-F", str(self.ssh_config), "-o", "BatchMode=yes", host, *cmd],
                    self.env, timeout=timeout)
 
-    def cluster(self, action: str, inventory: Path | None = None, timeout: int = 900):
+    def cluster(self, action: str, inventory: Path | None = None, timeout: int = 900,
+                port: int | None = None):
+        """scripts/cluster.sh ACTION with `inventory`; `port`: the tunnel's local ends of a cluster of
+        another name (DASHBOARD_PORT, METRICS_PORT, GRAFANA_PORT, TRACKING_PORT: port, +100, +200, +300), as
+        its operator would give it: this cluster's tunnel holds the tier's, and cluster-up names a
+        held port before anything else."""
         env = {**self.env, "INVENTORY": str(inventory or INVENTORY)}
+        if port is not None:
+            env.update(DASHBOARD_PORT=str(port), METRICS_PORT=str(port + 100), GRAFANA_PORT=str(port + 200),
+                       TRACKING_PORT=str(port + 300))
         return run(["scripts/cluster.sh", action], env, timeout=timeout)
 
     def client_env(self) -> dict:

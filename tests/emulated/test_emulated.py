@@ -1378,7 +1378,9 @@ def test_pinned_host_keys_are_checked_not_trusted(emulated, tmp_path):
         lines, more = variants[name]
         block = "    dlc_known_hosts: |\n" + "".join(f"      {ln}\n" for ln in lines) + more
         text = EMULATED.replace("    ray_object_store_memory:", block + "    ray_object_store_memory:")
-        return emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300)
+        # a cluster of its own name: its own tunnel ports (8420-8423 and +100, +200, +300)
+        return emulated.cluster("up", _inventory(tmp_path, name, text), timeout=300,
+                                port=8420 + list(variants).index(name))
 
     # each variant is a cluster of its own (its own folder and lock), refused before any node is
     # changed: they run at once
@@ -1478,7 +1480,9 @@ def bad_inventory_runs(emulated, tmp_path_factory) -> dict[str, subprocess.Compl
         else:
             text = edit(EMULATED)
         assert text != EMULATED
-        return emulated.cluster("up", _inventory(tmp, name, text), timeout=300)
+        # a cluster of its own name: its own tunnel ports (8400-8411 and +100, +200, +300)
+        return emulated.cluster("up", _inventory(tmp, name, text), timeout=300,
+                                port=8400 + list(BAD_INVENTORIES).index(name))
 
     with ThreadPoolExecutor(len(BAD_INVENTORIES)) as pool:
         return dict(zip(BAD_INVENTORIES, pool.map(up, BAD_INVENTORIES), strict=True))
