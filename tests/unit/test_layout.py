@@ -39,17 +39,20 @@ def graph() -> dict[str, set[str]]:
     return {p.stem: imports(p) for p in HARNESS.glob("*.py") if p.stem != "__init__"}
 
 
+def reach(edges: dict[str, set[str]], starts: set[str]) -> set[str]:
+    """Every module reached from `starts` through one import or more."""
+    seen, stack = set(), list(starts)
+    while stack:
+        for nxt in edges.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
 def in_cycles(edges: dict[str, set[str]]) -> set[str]:
     """The modules that reach themselves through their imports."""
-    def reach(start: str) -> set[str]:
-        seen, stack = set(), [start]
-        while stack:
-            for nxt in edges.get(stack.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return seen
-    return {m for m in edges if m in reach(m)}
+    return {m for m in edges if m in reach(edges, {m})}
 
 
 def test_the_import_cycle_among_the_harness_modules_does_not_grow():
@@ -65,12 +68,7 @@ def test_the_harness_never_reaches_an_operators_tool():
     jobs = set()
     for job in (REPO / "jobs").glob("*.py"):
         jobs |= imports(job)
-    reached, stack = set(jobs), list(jobs)
-    while stack:
-        for nxt in edges.get(stack.pop(), ()):
-            if nxt not in reached:
-                reached.add(nxt)
-                stack.append(nxt)
+    reached = jobs | reach(edges, jobs)
     assert {"job", "flags", "torch_loop"} <= reached, sorted(reached)  # the walk finds the harness
     assert not reached & OPERATOR_TOOLS, sorted(reached & OPERATOR_TOOLS)
 
