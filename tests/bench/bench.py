@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,14 @@ def on_ray(job: str, args: list[str], current: record.ClusterRecord) -> list[sub
     return ray_job([f"jobs/{job}.py", "--num-workers", "2", *args], current)
 
 
+def excerpt(log: str) -> str:
+    """A failed run's log, short: the lines that name a cause (a C++ abort's "terminate called ...
+    what(): ...", a Python error), wherever they are, then its last 2000 characters."""
+    causes = [line for line in log[:-2000].splitlines()
+              if re.search(r"terminate called|what\(\)|Error|Exception|error:|Signal \d+", line)]
+    return "\n".join([*causes[:20], "...", log[-2000:]] if causes else [log[-2000:]])
+
+
 def measure(job: str, launcher: str, a, current, work: Path, i: int,
             job_args: list[str] | None = None) -> dict:
     name = f"bench-{job.replace('_', '-')}-{launcher}-{i}-{time.strftime('%H%M%S')}"
@@ -100,7 +109,7 @@ def measure(job: str, launcher: str, a, current, work: Path, i: int,
     logs = [p.communicate()[0] for p in procs]
     wall = time.time() - t0
     if any(p.returncode for p in procs):
-        raise UserError(f"{job} under {launcher} failed:\n" + "\n".join(log[-2000:] for log in logs))
+        raise UserError(f"{job} under {launcher} failed:\n" + "\n".join(map(excerpt, logs)))
     m = json.loads((out / "manifest.json").read_text())
     metrics, tl = m["metrics"], m["timeline"]
     marks = [t0, tl.get("imported_at"), tl.get("prepared_at"), tl.get("workers_started_at"),

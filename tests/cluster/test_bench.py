@@ -21,7 +21,7 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
            "--strategy-runs", "ps:slowed",
            "--tf-per-class", "16", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    print(proc.stdout[-4000:], proc.stderr[-3000:])
+    print(proc.stdout[-4000:], proc.stderr[-6000:])
     assert proc.returncode == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     s = report["summary"]["ddp_autoencoder"]
