@@ -76,9 +76,12 @@ def precheck(storage_path: str, job: str, name: str, signature: dict) -> None:
 def hold_run(storage_path: str, name: str) -> Iterator[None]:
     """The run's folder held by this process while it trains and publishes: a second run with the
     same --name at the same time is one line before it touches the folder, so the first run's
-    checkpoints and model stay its own. An flock: the kernel drops it when the process ends,
-    however it ends (NFS v4 carries it between nodes), so a resumed run is never refused by a
-    dead one. URIs (s3://...) are not held."""
+    checkpoints and model stay its own, wherever the two run. A POSIX record lock (fcntl), not an
+    flock: an NFS client sends its locks to the server, where they are POSIX locks, which a local
+    flock on the server (the head, whose storage is the export itself) never sees, so a driver on
+    the head and a rank on a worker could both hold "the" lock. The kernel (and the NFS server for a
+    client) drops it when the process ends, however it ends, so a resumed run is never refused by
+    a dead one. URIs (s3://...) are not held."""
     if "://" in storage_path:
         yield
         return
@@ -86,8 +89,9 @@ def hold_run(storage_path: str, name: str) -> Iterator[None]:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / LOCK, "a+") as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # the whole file; held while this process keeps any descriptor of it open (this one)
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN, or EACCES on some systems
             f.seek(0)
             holder = f.read().strip() or "another process"
             raise UserError(f"run {name} is running already ({holder}): wait for it to end, or "
