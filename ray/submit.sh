@@ -38,11 +38,11 @@ api=${RAY_ADDRESS#http://}
 (exec 3<>"/dev/tcp/${api%:*}/${api##*:}") 2>/dev/null \
   || die "nothing answers on the job API $RAY_ADDRESS of the cluster record; run make cluster-up (for a remote cluster: it reopens the tunnel)"
 # The commit travels as data (the upload carries no history): "-dirty" when tracked files changed.
-runtime_env=()
-if commit=$(git rev-parse HEAD 2>/dev/null); then
-  [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty
-  runtime_env=(--runtime-env-json "{\"env_vars\": {\"DLC_SUBMIT_COMMIT\": \"$commit\"}}")
-fi
+# So does where this operator's browser reaches the run history (the record's tunnel end): the
+# links the run prints.
+commit=$(git rev-parse HEAD 2>/dev/null) && { [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty; }
+env_json=$(DLC_SUBMIT_COMMIT=${commit:-} .venv/bin/python -m trainkit.record runtime-env) || exit 2
+runtime_env=(--runtime-env-json "$env_json")
 stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
 trap 'rm -rf "$stage"' EXIT
 read -ra named <<<"${UPLOAD:-}"

@@ -148,6 +148,15 @@ class ClusterRecord(BaseModel):
                 # its result (Ray's CLI logger) are printed at any level.
                 "RAY_LOGGER_LEVEL": "warning"}
 
+    def runtime_env(self, commit: str | None) -> dict:
+        """What `make submit` gives a job's runtime env: the checkout's commit (data: the upload
+        carries no history) and where this operator's browser reaches the run history (the links
+        the run prints; the nodes' address is their own DLC_TRACKING_URL)."""
+        env = {"DLC_SUBMIT_COMMIT": commit} if commit else {}
+        if self.tracking_url:
+            env["DLC_TRACKING_PAGE_URL"] = self.tracking_url
+        return {"env_vars": env}
+
     def client_env_text(self) -> str:
         """ray-client.env: `export KEY=VALUE` lines, each value quoted for the shell (`source` it);
         ray/submit.sh parses them without evaluating."""
@@ -209,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             print(load(path).model_dump_json(indent=2))
         elif what == "env":
             print(load(path).client_env_text(), end="")
+        elif what == "runtime-env":  # ray/submit.sh: --runtime-env-json (the commit from its env)
+            print(json.dumps(load(path).runtime_env(os.environ.get("DLC_SUBMIT_COMMIT"))))
         elif what == "token":
             # for pasting into the dashboard's sign-in dialog: to this terminal only, never a log
             token = Path(load(path).token_path)
@@ -241,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
                   f"node(s)) at {r.job_api}")
         else:
-            raise UserError(f"unknown command {what!r}; use show, env, token, grafana-password, "
-                            "tracking-password, check or schema")
+            raise UserError(f"unknown command {what!r}; use show, env, runtime-env, token, "
+                            "grafana-password, tracking-password, check or schema")
     except UserError as e:
         print(f"record: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from .onnx_export import Published
 
 URL_ENV, AUTH_ENV = "DLC_TRACKING_URL", "DLC_TRACKING_AUTH"
+# The server as the operator's browser reaches it (the tunnel's end on the operator's machine),
+# where DLC_TRACKING_URL is its address on the cluster's network: the links a run prints
+PAGE_ENV = "DLC_TRACKING_PAGE_URL"
 TIMEOUT_S = 5
 ARTIFACTS = "model"  # the run's artifact folder for its publications (ONNX model and manifest)
 # the harness's own numbers an epoch logs beside the job's metrics (the rest of COUNTERS are text
@@ -63,9 +66,33 @@ class Target:
     url: str
     experiment_id: str
     run_id: str
+    page_url: str | None = None  # the server where the operator opens it (None: url)
 
     def page(self) -> str:
+        """The run's page where the operator's browser opens it."""
+        return f"{self.page_url or self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+
+    def node_page(self) -> str:
+        """The run's page at the server's address on the cluster's network (the nodes')."""
         return f"{self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+
+    def pages(self) -> str:
+        """The link a run prints: the operator's, and the nodes' beside it where they differ."""
+        return self.page() if self.page() == self.node_page() else \
+            f"{self.page()} (on the cluster's network: {self.node_page()})"
+
+    def manifest(self) -> dict:
+        """The manifest's links: `page` the operator opens, `node_page` where they differ."""
+        pages = {"page": self.page()}
+        return pages if self.page() == self.node_page() else {**pages, "node_page": self.node_page()}
+
+
+def page_url(url: str, how: str) -> str | None:
+    """Where the operator's browser reaches the server at `url`: PAGE_ENV (set on every node by
+    cluster-up, or by make submit from the submitting operator's record) when `url` is the nodes'
+    (DLC_TRACKING_URL); None (the url itself) when a flag or this machine's record gave it."""
+    page = os.environ.get(PAGE_ENV, "").strip().rstrip("/")
+    return page if how == URL_ENV and page.startswith(("http://", "https://")) else None
 
 
 def setting(flag: str | None) -> tuple[str | None, str]:
@@ -161,18 +188,18 @@ def start(job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
     if url is None:
         return replace(run, tracking_off=how)
     try:
-        target = _start(url, job, args, run, world_size, cluster)
+        target = _start(url, job, args, run, world_size, cluster, page_url(url, how))
     except Exception as e:  # noqa: BLE001  (tracking never costs the run)
         reason = why(e)
         say(job.name, f"warning: run {run.name} is not tracked: {url}: {reason}; it trains and "
                       f"publishes as before (its manifest says so)")
         return replace(run, tracking_off=f"{url}: {reason}")
-    say(job.name, f"run history: {target.page()}")
+    say(job.name, f"run history: {target.pages()}")
     return replace(run, tracking=target)
 
 
 def _start(url: str, job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
-           cluster: str | None) -> Target:
+           cluster: str | None, page: str | None = None) -> Target:
     from mlflow.entities import Param, RunTag
 
     mlflow = client(url)
@@ -197,7 +224,7 @@ def _start(url: str, job: Job, args: argparse.Namespace, run: Run, world_size: i
         tags["dlc.changed_flags"] = "; ".join(changed)[:5000]
     mlflow.log_batch(mlrun.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
                      params=[Param(k, v[:6000]) for k, v in params.items() if k not in had])
-    return Target(url, experiment_id, mlrun.info.run_id)
+    return Target(url, experiment_id, mlrun.info.run_id, page)
 
 
 def _commit() -> str:
@@ -293,7 +320,7 @@ def check(run: Run, epochs_trained: int) -> dict:
     if target is None:
         return {"state": "off" if run.tracking_off.startswith(("--tracking off", "no tracking", URL_ENV))
                 else "untracked", "why": run.tracking_off}
-    record = {"url": target.url, "run_id": target.run_id, "page": target.page()}
+    record = {"url": target.url, "run_id": target.run_id, **target.manifest()}
     if target.run_id in _stopped:
         return {**record, "state": "untracked", "why": f"{target.url}: {_stopped[target.run_id]}"}
     try:
@@ -338,6 +365,6 @@ def log_model(job: str, run: Run, published: Published, restarts: int) -> str | 
         say(job, f"warning: run {run.name}: the model was published but not logged to {target.url} "
                  f"({why(e)})")
         return None
-    say(job, f"registered model: {job} version {version.version} (run history: {target.page()})")
+    say(job, f"registered model: {job} version {version.version} (run history: {target.pages()})")
     return f"{job}/{version.version}"
 

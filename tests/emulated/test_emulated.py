@@ -740,6 +740,19 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     (version,) = [v for v in mlflow.search_model_versions("name = 'ddp_autoencoder'")
                   if v.run_id == run_.info.run_id]
     assert version.tags["model_sha256"] == manifest["model_sha256"]
+    # the link the run printed opens through the tunnel, as the operator's browser opens it; the
+    # nodes' address (the head's private one) beside it
+    experiment, run_id = run_.info.experiment_id, run_.info.run_id
+    link = f"{r.tracking_url}/#/experiments/{experiment}/runs/{run_id}"
+    node_link = f"http://{NODES['node-1']}:5000/#/experiments/{experiment}/runs/{run_id}"
+    assert (manifest["tracking"]["page"], manifest["tracking"]["node_page"]) == (link, node_link)
+    assert f"registered model: ddp_autoencoder version {version.version} (run history: {link} (on the " \
+           f"cluster's network: {node_link}))" in readme_run.out, readme_run.out[-3000:]
+    for url in (link.split("#")[0], f"{r.tracking_url}/api/2.0/mlflow/runs/get?run_id={run_id}"):
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"}),
+                                    timeout=10) as answer:
+            body = answer.read().decode()
+        assert answer.status == 200 and (readme_run.name in body if "runs/get" in url else "<html" in body)
     # its artifacts are on the shared storage, where the head's server keeps them
     found = emulated.ssh("node-2", "sudo", "find", "/srv/dlcluster/mlflow-artifacts", "-name", "model.onnx"
                          ).stdout.split()  # Ray's account's folder (0750)
@@ -749,8 +762,7 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
         pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
     png = tmp_path / "run-history.png"
     with signed_in(browser, user, password) as page:  # through the tunnel, as an operator
-        run_page = manifest["tracking"]["page"].replace(manifest["tracking"]["url"], r.tracking_url)
-        page.goto(f"{run_page}/model-metrics")
+        page.goto(f"{manifest['tracking']['page']}/model-metrics")  # the link the run printed
         # at least a point per epoch (plotly draws a run of one epoch's lone point twice)
         assert mlflow_chart_points(page, "loss", epochs) >= epochs
         page.screenshot(path=str(png))
@@ -1142,6 +1154,71 @@ def elastic_run(emulated, name: str, epochs: int, limit: int = 1500,
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     return proc, lines, reader
+
+
+def test_an_unchanged_ray_train_script_keeps_its_checkpoints_on_the_shared_storage(emulated, tmp_path):
+    """A Ray Train script as a team brings it (tests/emulated/plain_ray_train/train.py: a
+    TorchTrainer of 3 ranks, a checkpoint each epoch, a RunConfig without storage_path, nothing of
+    this project), submitted with a plain `ray job submit --working-dir` through the tunnel: its
+    ranks on different nodes write to Ray Train's default, the driver's ~/ray_results, which
+    cluster-up linked to the shared storage on every node. A rank on node-2 killed (SIGKILL) after
+    a checkpoint was recorded, the run restarts from that checkpoint and finishes."""
+    folder = tmp_path / "plain"
+    shutil.copytree(REPO / "tests/emulated/plain_ray_train", folder)
+    for node in NODES:  # the link on every node, to the head's folder
+        assert emulated.ssh(node, "readlink", "/var/lib/dlcluster/home/ray_results").stdout.strip() == \
+            "/srv/dlcluster/ray_results", node
+    before = set(emulated.ssh("node-1", "ls", "/srv/dlcluster/ray_results").stdout.split())
+    job_id = f"plain-{int(time.time())}"
+    client = subprocess.Popen([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
+                               "--submission-id", job_id, "--working-dir", str(folder), "--", "python",
+                               "train.py"], cwd=folder, env=emulated.client_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(client.stdout), daemon=True)
+    reader.start()
+
+    def recorded(run: str) -> bool:
+        """Ray Train's checkpoint manager has recorded a checkpoint of `run` (its snapshot file)."""
+        text = emulated.ssh("node-1", "cat", f"/srv/dlcluster/ray_results/{run}/"
+                            "checkpoint_manager_snapshot.json", "2>/dev/null").stdout
+        try:
+            return bool(text) and bool(json.loads(text).get("latest_checkpoint_result"))
+        except json.JSONDecodeError:  # read while Ray rewrote it
+            return False
+
+    try:
+        deadline = time.time() + 300
+        while True:  # the run's folder, seen from the head, once Ray Train recorded a checkpoint there
+            assert time.time() < deadline and client.poll() is None, "".join(lines[-40:])
+            new = set(emulated.ssh("node-1", "ls", "/srv/dlcluster/ray_results").stdout.split()) - before
+            if len(new) == 1 and recorded(run := new.pop()):
+                run_dir = f"/srv/dlcluster/ray_results/{run}"
+                break
+            time.sleep(1)
+        # [R]: the pattern does not match the shell that runs pkill
+        killed = emulated.ssh("node-2", "sudo pkill -9 -e -f '[R]ayTrainWorker'")
+        assert killed.returncode == 0 and "killed" in killed.stdout, \
+            f"no rank on node-2: {killed.stdout}{killed.stderr}"
+        client.wait(timeout=600)
+        reader.join(timeout=30)
+    finally:  # a run that outlived the test is stopped as an operator would
+        if client.poll() is None:
+            stop_jobs(emulated, [job_id])
+            client.kill()
+    out = "".join(lines)
+    print(out[-3000:])
+    assert client.returncode == 0 and "succeeded" in out, out[-3000:]
+    result = re.search(r"RESULT path=(\S+) checkpoint=(\S+) epoch=(\d+) started_at_epoch=(\d+)", out)
+    assert result, out[-3000:]
+    path, checkpoint, epoch, started = result.groups()
+    # Ray Train's default path, unchanged in the script: the driver's home, which is the shared folder
+    assert path == f"/var/lib/dlcluster/home/ray_results/{run_dir.rsplit('/', 1)[1]}", path
+    assert int(epoch) == 7 and int(started) >= 1, result.group(0)  # resumed after a checkpoint
+    assert checkpoint.startswith(path + "/checkpoint_")
+    # the checkpoint is on the shared storage: a node that did not write it reads it
+    name = checkpoint.rsplit("/", 1)[1]
+    assert emulated.ssh("node-3", "test", "-s", f"{run_dir}/{name}/state.pt").returncode == 0
 
 
 def test_a_storage_path_only_the_head_has_is_one_line_before_training(emulated):
@@ -1567,6 +1644,56 @@ def doctor(emulated) -> tuple[subprocess.CompletedProcess, dict, list[str]]:
     return proc, report, lines
 
 
+# one rank of a run, as the harness holds its run's folder (trainkit/store.py's hold_run, the
+# checkout's, copied to the node): held until its stdin closes, or the one line of a refusal
+LOCKER = ("import sys\n"
+          "sys.path.insert(0, '/tmp/dlc-lock')\n"
+          "from trainkit.errors import UserError\n"
+          "from trainkit.store import hold_run\n"
+          "try:\n"
+          "    with hold_run('/srv/dlcluster/runs', sys.argv[1]):\n"
+          "        print('held', flush=True)\n"
+          "        sys.stdin.read()\n"
+          "except UserError as e:\n"
+          "    print(e, flush=True)\n")
+
+
+def test_one_run_name_is_held_between_the_head_and_a_worker(emulated):
+    """Two runs of one --name, a driver on the head (where the shared storage is the NFS export
+    itself) and a rank on a worker (which reaches it over NFS): whichever holds the run's folder
+    first, the other is refused with the one line naming the holder, so the two never train and
+    publish under one name. (An flock on the head never saw a worker's lock over NFS.)"""
+    docker, name = "/usr/bin/docker", f"lock-{int(time.time())}"
+    for node in ("node-1", "node-2"):
+        run([docker, "exec", f"dlc-emu-{node}", "sh", "-c", "rm -rf /tmp/dlc-lock && mkdir /tmp/dlc-lock"],
+            emulated.env, check=True)
+        run([docker, "cp", str(REPO / "trainkit"), f"dlc-emu-{node}:/tmp/dlc-lock/trainkit"], emulated.env,
+            check=True)
+
+    def rank(node: str, *flags: str) -> list[str]:
+        return [docker, "exec", *flags, "-u", "dlc", f"dlc-emu-{node}", "/opt/venv/bin/python", "-c", LOCKER,
+                name]
+
+    try:
+        for first, second in (("node-1", "node-2"), ("node-2", "node-1")):
+            holder = subprocess.Popen(rank(first, "-i"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+            try:
+                assert holder.stdout.readline().strip() == "held", f"{first} did not get the run's folder"
+                said = run(rank(second), emulated.env, timeout=120)
+                host = emulated.ssh(first, "hostname").stdout.strip()
+                assert re.fullmatch(rf"run {name} is running already \({re.escape(host)} pid \d+ since "
+                                    r"\S+Z\): wait for it to end, or give this one another --name",
+                                    said.stdout.strip()), f"{second}: {said.stdout}{said.stderr}"
+            finally:
+                holder.stdin.close()  # the holder leaves: the lock goes with it
+                holder.wait(timeout=60)
+    finally:
+        run([docker, "exec", "dlc-emu-node-1", "rm", "-rf", f"/srv/dlcluster/runs/{name}"], emulated.env)
+        for node in ("node-1", "node-2"):
+            run([docker, "exec", f"dlc-emu-{node}", "rm", "-rf", "/tmp/dlc-lock"], emulated.env)
+
+
 def test_doctor_finds_nothing_on_the_healthy_cluster(emulated):
     proc, report, lines = doctor(emulated)
     assert proc.returncode == 0 and lines == [] and report["findings"] == [], proc.stdout + proc.stderr
@@ -1705,10 +1832,12 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
     report = tmp_path / "smoke.json"
     run(["docker", "update", "--cpus", "0.4", "dlc-emu-node-2"], emulated.env, check=True)
     try:
-        # a slowdown of 2x, not 25 %: the other nodes share this machine's 2 cores with the test
+        # a slowdown of 2x, not 25 %, and links at a quarter of their baseline, not 70 %: the other
+        # nodes share this machine's 2 cores with the test (CI once saw a link between two others
+        # below 70 % of its baseline)
         proc = run([str(BIN / "python"), "ray/smoke.py", "--only", "perf", "--quarantine", "--json",
-                    str(report), "--max-step-slowdown", "1", "--min-storage-fraction", "0.1"], emulated.env,
-                   timeout=600)
+                    str(report), "--max-step-slowdown", "1", "--min-storage-fraction", "0.1",
+                    "--min-link-fraction", "0.25"], emulated.env, timeout=600)
         print(proc.stdout[-5000:], proc.stderr[-2000:])
         assert proc.returncode == 1
         details = json.loads(report.read_text())["steps"][0]["details"]

@@ -119,3 +119,34 @@ def test_statuses_are_read_from_the_answer_not_from_digits_anywhere():
     assert tracking.why(denied) == "the server refused this user (403)"
     assert tracking.why(Exception("run 4010 not found (error code 404 != 200)")) == \
         "run 4010 not found (error code 404 != 200)"
+
+
+def test_a_run_links_to_the_page_the_operator_opens_and_keeps_the_nodes_beside_it(clean, tmp_path):
+    """On a node DLC_TRACKING_URL is the head's private address, which the operator's browser cannot
+    reach; DLC_TRACKING_PAGE_URL (cluster-up's ray.env, or make submit from the submitting
+    operator's record) is the tunnel's end: the printed link and the manifest's `page` use it, the
+    nodes' address is kept beside it. A flag or this machine's own record is the page itself."""
+    clean.setenv(tracking.PAGE_ENV, "http://127.0.0.1:5300/")
+    assert tracking.page_url("http://172.31.251.11:5000", tracking.URL_ENV) == "http://127.0.0.1:5300"
+    assert tracking.page_url("http://10.0.0.5:5000", "--tracking") is None
+    assert tracking.page_url("http://127.0.0.1:5001", "cluster local's record") is None
+    clean.setenv(tracking.PAGE_ENV, "127.0.0.1:5300")  # not a URL: the server's own address serves
+    assert tracking.page_url("http://172.31.251.11:5000", tracking.URL_ENV) is None
+    target = tracking.Target("http://172.31.251.11:5000", "3", "abc", "http://127.0.0.1:5300")
+    assert target.page() == "http://127.0.0.1:5300/#/experiments/3/runs/abc"
+    assert target.pages() == ("http://127.0.0.1:5300/#/experiments/3/runs/abc (on the cluster's network: "
+                              "http://172.31.251.11:5000/#/experiments/3/runs/abc)")
+    assert target.manifest() == {"page": "http://127.0.0.1:5300/#/experiments/3/runs/abc",
+                                 "node_page": "http://172.31.251.11:5000/#/experiments/3/runs/abc"}
+    same = tracking.Target("http://127.0.0.1:5001", "3", "abc")
+    assert same.pages() == same.page() and same.manifest() == {"page": same.page()}
+    # make submit's runtime env carries the submitting operator's tunnel end (and the commit)
+    token = tmp_path / "token"
+    token.write_text("t")
+    r = record.ClusterRecord(name="emulated", kind="ansible", job_api="http://127.0.0.1:8275",
+                             token_path=str(token), tracking_url="http://127.0.0.1:5300",
+                             nodes=[record.Node(name="node-1", ip="172.31.251.11", role="head", cpus=1,
+                                                gpus=0)])
+    assert r.runtime_env("c0ffee-dirty") == {"env_vars": {"DLC_SUBMIT_COMMIT": "c0ffee-dirty",
+                                                          tracking.PAGE_ENV: "http://127.0.0.1:5300"}}
+    assert r.model_copy(update={"tracking_url": None}).runtime_env(None) == {"env_vars": {}}
