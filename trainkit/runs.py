@@ -78,7 +78,7 @@ def one_run(url: str, mlflow, name: str) -> str:
     head = (f"run {name} ({t.get('dlc.job', '-')}, commit {t.get('dlc.commit', '-')[:12]}, "
             f"{t.get('dlc.launcher', '-')} x{t.get('dlc.world_size', '-')}, {r.info.status.lower()}, "
             f"restarts {t.get('dlc.restarts', '-')}, model sha256 {t.get('dlc.model_sha256', '-')[:12]})\n"
-            f"page: {url}/#/experiments/{r.info.experiment_id}/runs/{r.info.run_id}\n")
+            f"page: {tracking.run_page(url, r.info.experiment_id, r.info.run_id)}\n")
     return head + table(rows, ["epoch", *keys]) if rows else head + "no epoch logged yet"
 
 

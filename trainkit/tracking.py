@@ -58,6 +58,16 @@ LOGGED_COUNTERS = ("epoch", "samples_per_s", "dataflow_s", "processing_s", "allr
                    "epoch_s", "world_size", "gpu_memory_peak_mb")
 
 
+# MLflow 3's UI opens a run in its GenAI view, filed under "Evaluation runs" beside an assistant;
+# this query opens the model-training view (the sidebar's "Model training": runs, models, charts)
+TRAINING_VIEW = "?workflowType=machine_learning"
+
+
+def run_page(server: str, experiment_id: str, run_id: str, tab: str = "") -> str:
+    """A run's page in MLflow's model-training view; `tab`: one of the page's tabs (model-metrics)."""
+    return f"{server}/#/experiments/{experiment_id}/runs/{run_id}{'/' + tab if tab else ''}{TRAINING_VIEW}"
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a run is tracked: what every rank's Run carries (no secret: each process reads the
@@ -70,11 +80,11 @@ class Target:
 
     def page(self) -> str:
         """The run's page where the operator's browser opens it."""
-        return f"{self.page_url or self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return run_page(self.page_url or self.url, self.experiment_id, self.run_id)
 
     def node_page(self) -> str:
         """The run's page at the server's address on the cluster's network (the nodes')."""
-        return f"{self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return run_page(self.url, self.experiment_id, self.run_id)
 
     def pages(self) -> str:
         """The link a run prints: the operator's, and the nodes' beside it where they differ."""

@@ -23,7 +23,7 @@ from conftest import REPO, plain_env, read_manifest
 from test_fault_tolerance import Running, kill, ray_train_workers
 
 from tests.browser import chromium, mlflow_chart_points, signed_in
-from trainkit import record
+from trainkit import record, tracking
 
 TINY = ["--image-size", "40x60", "--batch-size", "8"]
 
@@ -291,11 +291,15 @@ def test_a_browser_signs_in_and_draws_the_runs_loss(cluster, tracked, tmp_path):
         pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
     r = record.load(cluster.config / record.RECORD)
     user, password = open(r.tracking_auth_path).read().strip().split(":", 1)
-    run_page = tracked["last"]["tracking"]["page"]
+    run_page = tracked["last"]["tracking"]["page"]  # in MLflow's model-training view
+    assert run_page.endswith(tracking.TRAINING_VIEW), run_page
     png = tmp_path / "run-history.png"
     with signed_in(browser, user, password) as page:
-        page.goto(f"{run_page}/model-metrics")
+        page.goto(run_page.replace("?", "/model-metrics?", 1))
         assert mlflow_chart_points(page, "loss", 3) == 3
+        # the model-training view (its switch in the sidebar), not the GenAI one ("Evaluation runs")
+        assert page.get_by_role("link", name="Evaluation runs").count() == 0
+        assert page.get_by_role("link", name="Runs", exact=True).count() >= 1
         # for the picture: the assistant's panel closed, charts no longer refreshed, the loss alone
         page.locator('[data-component-id="mlflow.assistant.chat_panel.close"]').click()
         page.get_by_role("button", name="Auto-refresh").click()

@@ -54,7 +54,7 @@ from conftest import (
 
 from tests.browser import LAUNCH_ARGS, chromium, mlflow_chart_points, signed_in
 from tests.promql import wait_for_query
-from trainkit import baseline, record
+from trainkit import baseline, record, tracking
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -743,8 +743,8 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     # the link the run printed opens through the tunnel, as the operator's browser opens it; the
     # nodes' address (the head's private one) beside it
     experiment, run_id = run_.info.experiment_id, run_.info.run_id
-    link = f"{r.tracking_url}/#/experiments/{experiment}/runs/{run_id}"
-    node_link = f"http://{NODES['node-1']}:5000/#/experiments/{experiment}/runs/{run_id}"
+    link = tracking.run_page(r.tracking_url, experiment, run_id)  # in MLflow's model-training view
+    node_link = tracking.run_page(f"http://{NODES['node-1']}:5000", experiment, run_id)
     assert (manifest["tracking"]["page"], manifest["tracking"]["node_page"]) == (link, node_link)
     assert f"registered model: ddp_autoencoder version {version.version} (run history: {link} (on the " \
            f"cluster's network: {node_link}))" in readme_run.out, readme_run.out[-3000:]
@@ -762,7 +762,10 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
         pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
     png = tmp_path / "run-history.png"
     with signed_in(browser, user, password) as page:  # through the tunnel, as an operator
-        page.goto(f"{manifest['tracking']['page']}/model-metrics")  # the link the run printed
+        page.goto(manifest["tracking"]["page"].replace("?", "/model-metrics?", 1))  # the printed link
+        # the model-training view (its switch in the sidebar), not the GenAI one ("Evaluation runs")
+        assert page.get_by_role("link", name="Evaluation runs").count() == 0
+        assert page.get_by_role("link", name="Runs", exact=True).count() >= 1
         # at least a point per epoch (plotly draws a run of one epoch's lone point twice)
         assert mlflow_chart_points(page, "loss", epochs) >= epochs
         page.screenshot(path=str(png))

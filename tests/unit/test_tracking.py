@@ -133,11 +133,14 @@ def test_a_run_links_to_the_page_the_operator_opens_and_keeps_the_nodes_beside_i
     clean.setenv(tracking.PAGE_ENV, "127.0.0.1:5300")  # not a URL: the server's own address serves
     assert tracking.page_url("http://172.31.251.11:5000", tracking.URL_ENV) is None
     target = tracking.Target("http://172.31.251.11:5000", "3", "abc", "http://127.0.0.1:5300")
-    assert target.page() == "http://127.0.0.1:5300/#/experiments/3/runs/abc"
-    assert target.pages() == ("http://127.0.0.1:5300/#/experiments/3/runs/abc (on the cluster's network: "
-                              "http://172.31.251.11:5000/#/experiments/3/runs/abc)")
-    assert target.manifest() == {"page": "http://127.0.0.1:5300/#/experiments/3/runs/abc",
-                                 "node_page": "http://172.31.251.11:5000/#/experiments/3/runs/abc"}
+    view = "?workflowType=machine_learning"  # MLflow's model-training view, not its GenAI one
+    assert target.page() == f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view}"
+    assert target.pages() == (f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view} (on the cluster's "
+                              f"network: http://172.31.251.11:5000/#/experiments/3/runs/abc{view})")
+    assert target.manifest() == {"page": f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view}",
+                                 "node_page": f"http://172.31.251.11:5000/#/experiments/3/runs/abc{view}"}
+    assert tracking.run_page("http://h:5000", "3", "abc", "model-metrics") == \
+        f"http://h:5000/#/experiments/3/runs/abc/model-metrics{view}"
     same = tracking.Target("http://127.0.0.1:5001", "3", "abc")
     assert same.pages() == same.page() and same.manifest() == {"page": same.page()}
     # make submit's runtime env carries the submitting operator's tunnel end (and the commit)
