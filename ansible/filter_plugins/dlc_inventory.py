@@ -48,6 +48,9 @@ ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user")
 # PostgreSQL's names for the run history (its account and databases): SQL identifiers, unquoted
 SQL_NAMES = ("tracking_db_user", "tracking_db", "tracking_auth_db")
 SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# URLs written into every node's ray.env (KEY=VALUE lines): a scheme, a host and a port, a path
+URLS = ("dlc_tracking_page_url",)
+URL = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(/[A-Za-z0-9._~/-]*)?")
 
 
 def _value(hv, name):
@@ -76,6 +79,11 @@ def word_problems(host: str, hv, names=WORDS) -> list:
         if value is not None and not SQL_NAME.fullmatch(str(value)):
             out.append(f"{host}: {name} is {str(value)!r}: PostgreSQL takes it unquoted, so use lower "
                        f"case letters, digits and _, starting with a letter or _")
+    for name in URLS:
+        value = _value(hv, name)
+        if value is not None and not URL.fullmatch(str(value)):
+            out.append(f"{host}: {name} is {str(value)!r}: a URL such as http://127.0.0.1:5000 (a scheme, "
+                       f"a host, a port; no spaces, quotes or line breaks)")
     return out
 
 

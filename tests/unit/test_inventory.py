@@ -141,6 +141,11 @@ BAD = [
     ("grafana-port-word", on(VARS, "    dlc_grafana_port: grafana\n"),
      "dlc_grafana_port is 'grafana': a port"),
     ("dcgm-port-zero", on(VARS, "    metrics_dcgm_exporter_port: 0\n"), "metrics_dcgm_exporter_port is '0'"),
+    # a line of every node's ray.env: a second line would set any variable of Ray's processes
+    ("page-url-two-lines", on(VARS, '    dlc_tracking_page_url: "http://127.0.0.1:5000\\nRAY_AUTH_MODE=disabled"\n'),
+     "dlc_tracking_page_url is 'http://127.0.0.1:5000\\nRAY_AUTH_MODE=disabled': a URL such as"),
+    ("page-url-no-scheme", on(VARS, "    dlc_tracking_page_url: 127.0.0.1:5000\n"),
+     "dlc_tracking_page_url is '127.0.0.1:5000': a URL such as http://127.0.0.1:5000"),
 ]
 
 # Values only the play resolves (checked once, as `all`): the cluster's name and the config folder
