@@ -284,8 +284,8 @@ def test_the_server_asks_for_credentials(cluster):
 
 def test_a_browser_signs_in_and_draws_the_runs_loss(cluster, tracked, tmp_path):
     """MLflow's run page in a real browser, signed in with the cluster's credentials: the loss and
-    validation loss charts draw one point per epoch (a chart without points fails); its picture is
-    docs/run-history.png."""
+    validation loss charts draw one point per epoch (a chart without points fails). (docs/run-history.png
+    is the emulated tier's: a run on the cluster through the tunnel.)"""
     browser = chromium()
     if browser is None:
         pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
