@@ -127,18 +127,18 @@ def test_a_run_links_to_the_page_the_operator_opens_and_keeps_the_nodes_beside_i
     operator's record) is the tunnel's end: the printed link and the manifest's `page` use it, the
     nodes' address is kept beside it. A flag or this machine's own record is the page itself."""
     clean.setenv(tracking.PAGE_ENV, "http://127.0.0.1:5300/")
-    assert tracking.page_url("http://172.31.251.11:5000", tracking.URL_ENV) == "http://127.0.0.1:5300"
-    assert tracking.page_url("http://10.0.0.5:5000", "--tracking") is None
+    assert tracking.page_url("http://node-1:5000", tracking.URL_ENV) == "http://127.0.0.1:5300"
+    assert tracking.page_url("http://mlflow.lab:5000", "--tracking") is None
     assert tracking.page_url("http://127.0.0.1:5001", "cluster local's record") is None
     clean.setenv(tracking.PAGE_ENV, "127.0.0.1:5300")  # not a URL: the server's own address serves
-    assert tracking.page_url("http://172.31.251.11:5000", tracking.URL_ENV) is None
-    target = tracking.Target("http://172.31.251.11:5000", "3", "abc", "http://127.0.0.1:5300")
+    assert tracking.page_url("http://node-1:5000", tracking.URL_ENV) is None
+    target = tracking.Target("http://node-1:5000", "3", "abc", "http://127.0.0.1:5300")
     view = "?workflowType=machine_learning"  # MLflow's model-training view, not its GenAI one
     assert target.page() == f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view}"
     assert target.pages() == (f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view} (on the cluster's "
-                              f"network: http://172.31.251.11:5000/#/experiments/3/runs/abc{view})")
+                              f"network: http://node-1:5000/#/experiments/3/runs/abc{view})")
     assert target.manifest() == {"page": f"http://127.0.0.1:5300/#/experiments/3/runs/abc{view}",
-                                 "node_page": f"http://172.31.251.11:5000/#/experiments/3/runs/abc{view}"}
+                                 "node_page": f"http://node-1:5000/#/experiments/3/runs/abc{view}"}
     assert tracking.run_page("http://h:5000", "3", "abc", "model-metrics") == \
         f"http://h:5000/#/experiments/3/runs/abc/model-metrics{view}"
     same = tracking.Target("http://127.0.0.1:5001", "3", "abc")
@@ -148,7 +148,7 @@ def test_a_run_links_to_the_page_the_operator_opens_and_keeps_the_nodes_beside_i
     token.write_text("t")
     r = record.ClusterRecord(name="emulated", kind="ansible", job_api="http://127.0.0.1:8275",
                              token_path=str(token), tracking_url="http://127.0.0.1:5300",
-                             nodes=[record.Node(name="node-1", ip="172.31.251.11", role="head", cpus=1,
+                             nodes=[record.Node(name="node-1", ip="127.0.0.11", role="head", cpus=1,
                                                 gpus=0)])
     assert r.runtime_env("c0ffee-dirty") == {"env_vars": {"DLC_SUBMIT_COMMIT": "c0ffee-dirty",
                                                           tracking.PAGE_ENV: "http://127.0.0.1:5300"}}
