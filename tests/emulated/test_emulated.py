@@ -2037,7 +2037,7 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
     try:
         # the job's worker on node-3 gets 10 s to end, then restarts from the checkpoint
         proc = upgrade(inventory("dlcluster:cpu-broken"),
-                       ansible="-e ray_join_timeout=45 -e ray_upgrade_drain_timeout=10")
+                       ansible="-e ray_join_timeout=25 -e ray_upgrade_drain_timeout=10")
         print("the job when the upgrade returned:",
               next((line.strip() for line in reversed(lines) if "epoch " in line), "no epoch yet"))
         job.wait(timeout=1200)
@@ -2048,7 +2048,7 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
     # make's own error line is "make: ***" or, under another make (make test), "make[1]: ***"
     last = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: ", line)][-1]
     assert proc.returncode != 0
-    assert ("node-3: upgraded, then its check failed (its Ray did not join the head within 45 s after the "
+    assert ("node-3: upgraded, then its check failed (its Ray did not join the head within 25 s after the "
             f"restart): rolled back to its previous image {new[:19]}, back in Ray; the nodes after it were "
             "not upgraded") in last, proc.stderr[-3000:]
     assert "node-3 still runs work after 10 s: its Ray restarts now" in " ".join(proc.stdout.split())
