@@ -9,7 +9,7 @@ import contextlib
 import os
 
 from . import cluster, flags, tracking
-from .job import Job, Run, Timeline, World
+from .contract import Job, Run, Timeline, World
 from .onnx_export import Published
 from .progress import say
 from .publish import publish

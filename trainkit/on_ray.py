@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import cluster, flags, tracking
+from .contract import Job, Run, Timeline
 from .errors import UserError
-from .job import Job, Run, Timeline
 from .onnx_export import Published
 from .progress import say
 from .publish import prepare_publishing, publish

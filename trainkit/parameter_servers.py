@@ -100,7 +100,7 @@ def serve(cluster: dict, role: str, index: int, use_gpu: UseGpu):
     """Start this process's TF server as task `role` `index` (a parameter server or a worker):
     it serves in TF's own threads until the process ends. Workers train on their GPUs unless
     --use-gpu false hides them; parameter servers only hold variables."""
-    from .keras_loop import tensorflow
+    from .keras_base import tensorflow
 
     tf = tensorflow()
 
@@ -166,13 +166,13 @@ class WorkerEvents(logging.Filter):
 
 
 class PSWorld:
-    """The chief's place in a parameter-server run (implements `job.World`): the only process that
+    """The chief's place in a parameter-server run (implements `contract.World`): the only process that
     runs the harness, so rank 0 of a world of one; `size` counts the workers that train."""
 
     strategy_name = "ps"
 
     def __init__(self, job: str, cluster: dict, use_gpu: UseGpu):
-        from .keras_loop import tensorflow
+        from .keras_base import tensorflow
 
         tf = tensorflow()
 
@@ -238,7 +238,7 @@ def fit(job, run, config, world: PSWorld, model, store, start: int) -> None:
     Validation runs on the chief, on a copy of the model outside the strategy, after each epoch."""
     import tf_keras as keras
 
-    from .keras_loop import EpochReport
+    from .keras_base import EpochReport
 
     class EpochInProgress(keras.callbacks.Callback):  # which epoch a worker is lost or back in
         def on_epoch_begin(self, epoch, logs=None):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from . import tracking
-from .job import RUN_REPORTERS, Job, JobConfig, Run, Timeline
+from .contract import RUN_REPORTERS, Job, JobConfig, Run, Timeline
 from .onnx_export import Published, verify_and_publish
 from .progress import say
 from .store import read_meta

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from . import launch
+from .contract import Job, JobConfig, Run
 from .errors import UserError
 from .flags import UseGpu
-from .job import Job, JobConfig, Run
 from .metrics import export_epoch
 from .progress import say_epoch
 from .replicas import check_replicas_agree, describe_rank
@@ -42,7 +42,7 @@ def want_gpu(use_gpu: UseGpu) -> bool:
 
 class TorchWorld:
     """torch.distributed: Ray's TorchTrainer group, torchrun's, or a single process. Implements
-    `job.World`, plus what the torch loop needs: the device, a sum, the model's wrapping, the
+    `contract.World`, plus what the torch loop needs: the device, a sum, the model's wrapping, the
     optimizer's step."""
 
     def __init__(self, launcher: str, use_gpu: UseGpu):

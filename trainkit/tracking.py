@@ -34,16 +34,16 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .contract import TRAINING_VIEW, Target, run_page  # noqa: F401 - TRAINING_VIEW: tracking's API
 from .progress import COUNTERS, say
 
 if TYPE_CHECKING:
     import argparse
 
-    from .job import Job, Run
+    from .contract import Job, Run
     from .onnx_export import Published
 
 URL_ENV, AUTH_ENV = "DLC_TRACKING_URL", "DLC_TRACKING_AUTH"
@@ -56,45 +56,6 @@ ARTIFACTS = "model"  # the run's artifact folder for its publications (ONNX mode
 # or counts of no interest)
 LOGGED_COUNTERS = ("epoch", "samples_per_s", "dataflow_s", "processing_s", "allreduce_s", "validation_s",
                    "epoch_s", "world_size", "gpu_memory_peak_mb")
-
-
-# MLflow 3's UI opens a run in its GenAI view, filed under "Evaluation runs" beside an assistant;
-# this query opens the model-training view (the sidebar's "Model training": runs, models, charts)
-TRAINING_VIEW = "?workflowType=machine_learning"
-
-
-def run_page(server: str, experiment_id: str, run_id: str, tab: str = "") -> str:
-    """A run's page in MLflow's model-training view; `tab`: one of the page's tabs (model-metrics)."""
-    return f"{server}/#/experiments/{experiment_id}/runs/{run_id}{'/' + tab if tab else ''}{TRAINING_VIEW}"
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a run is tracked: what every rank's Run carries (no secret: each process reads the
-    credentials from its own environment)."""
-
-    url: str
-    experiment_id: str
-    run_id: str
-    page_url: str | None = None  # the server where the operator opens it (None: url)
-
-    def page(self) -> str:
-        """The run's page where the operator's browser opens it."""
-        return run_page(self.page_url or self.url, self.experiment_id, self.run_id)
-
-    def node_page(self) -> str:
-        """The run's page at the server's address on the cluster's network (the nodes')."""
-        return run_page(self.url, self.experiment_id, self.run_id)
-
-    def pages(self) -> str:
-        """The link a run prints: the operator's, and the nodes' beside it where they differ."""
-        return self.page() if self.page() == self.node_page() else \
-            f"{self.page()} (on the cluster's network: {self.node_page()})"
-
-    def manifest(self) -> dict:
-        """The manifest's links: `page` the operator opens, `node_page` where they differ."""
-        pages = {"page": self.page()}
-        return pages if self.page() == self.node_page() else {**pages, "node_page": self.node_page()}
 
 
 def page_url(url: str, how: str) -> str | None:

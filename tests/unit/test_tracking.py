@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from trainkit import record, tracking
-from trainkit.job import Run
+from trainkit.contract import Run
 
 
 def a_record(tmp_path, **fields) -> None:
