@@ -2022,10 +2022,12 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
     # an image whose Ray cannot start, under a job with a worker on each node (STRICT_SPREAD, so
     # node-3 runs one when it is drained: with SPREAD, three runs put none there); long enough to
     # outlast the upgrade's checks and node-3's roles up to its drain (node-3 is the first node now:
-    # its drain came after epoch 16 of 16 on this 2-core machine, 2026-11-27, too close)
+    # its drain came after epoch 16 of 16 on this 2-core machine, 2026-11-27, too close; once the
+    # image's push and pull were polled every 2 s, not 10, after epoch 8 to 12 of 24: 20 leaves
+    # room, and each epoch more is one the job trains after the upgrade returned)
     pids = ray_pids(emulated)
     name = f"upgraded-{int(time.time())}"
-    epochs = 24
+    epochs = 20
     job, lines, reader = elastic_run(emulated, name, epochs, 6000, "--placement", "STRICT_SPREAD")
     deadline = time.time() + 600
     while not registered(emulated, name):  # a checkpoint to go on from when node-3's worker stops
