@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .contract import TRAINING_VIEW, Target, run_page  # noqa: F401 - TRAINING_VIEW: tracking's API
+from .contract import Target, run_page  # noqa: F401 - run_page: a run's page, as runs.py and the tests ask tracking for it
 from .progress import COUNTERS, say
 
 if TYPE_CHECKING:

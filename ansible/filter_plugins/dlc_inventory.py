@@ -21,7 +21,8 @@ PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
            "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "ray_upgrade_drain_timeout": 1,
            "ray_remove_timeout": 1, "dlc_registry_keep": 1, "ray_tls_days": 2,
-           "ray_tls_renew_days": 1, "ray_tls_ca_days": 2}
+           "ray_tls_renew_days": 1, "ray_tls_ca_days": 2,
+           "docker_ship_poll_s": 1}  # (0 would make the image's shipping fire and forget)
 PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
          "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
          "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",

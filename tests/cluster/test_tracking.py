@@ -23,7 +23,7 @@ from conftest import REPO, plain_env, read_manifest
 from test_fault_tolerance import Running, kill, ray_train_workers
 
 from tests.browser import chromium, mlflow_chart_points, signed_in
-from trainkit import record, tracking
+from trainkit import contract, record
 
 TINY = ["--image-size", "40x60", "--batch-size", "8"]
 
@@ -292,7 +292,7 @@ def test_a_browser_signs_in_and_draws_the_runs_loss(cluster, tracked, tmp_path):
     r = record.load(cluster.config / record.RECORD)
     user, password = open(r.tracking_auth_path).read().strip().split(":", 1)
     run_page = tracked["last"]["tracking"]["page"]  # in MLflow's model-training view
-    assert run_page.endswith(tracking.TRAINING_VIEW), run_page
+    assert run_page.endswith(contract.TRAINING_VIEW), run_page
     png = tmp_path / "run-history.png"
     with signed_in(browser, user, password) as page:
         page.goto(run_page.replace("?", "/model-metrics?", 1))

@@ -112,6 +112,8 @@ BAD = [
     ("registry-keep-zero", on(VARS, "    dlc_registry_keep: 0\n"),
      "dlc_registry_keep is '0': it must be a whole number of at least 1"),
     ("tls-days-zero", on(VARS, "    ray_tls_days: 0\n"), "ray_tls_days is '0': it must be a whole number"),
+    ("ship-poll-zero", on(VARS, "    docker_ship_poll_s: 0\n"),
+     "docker_ship_poll_s is '0': it must be a whole number of at least 1"),
     ("drain-timeout-a-word", on(VARS, "    ray_upgrade_drain_timeout: soon\n"),
      "ray_upgrade_drain_timeout is 'soon': it must be a whole number of at least 1"),
     ("tls-renew-after-the-end", on(VARS, "    ray_tls_days: 30\n    ray_tls_renew_days: 30\n"),
