@@ -41,7 +41,7 @@ WHEELHOUSE_PINS = ("PIN_PIP", "PIN_HOROVOD", "PIN_HOROVOD_SDIST_SHA256")
 # the images' first layer: torch and torchvision, and the tools Horovod's compile needs beside them
 TORCH_ROOTS = ("torch", "torchvision", "setuptools", "wheel")
 # not in TensorFlow's own environment (the GPU image's: CUDA 12 where torch brings CUDA 13)
-NOT_IN_TF = ("torch", "torchvision", "onnxscript")
+NOT_IN_TF = ("torch", "torchvision", "onnxscript", "transformers")
 
 
 def norm(name: str) -> str:

@@ -111,6 +111,19 @@ class World(Protocol):
         ...
 
 
+@dataclass
+class Exported:
+    """What a job's `export` hands to publishing: the staged ONNX file and the framework's output
+    on the held-out inputs (the parity check's reference); and, where a job has them, further
+    staged files or folders published beside the model (name -> path) and manifest fields only
+    the export knows (e.g. a language model's sampled text)."""
+
+    model: Path
+    reference: np.ndarray
+    beside: dict[str, Path] = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+
 # a job's configuration: the dataclass its `prepare` returns (its own type, e.g. `AutoencoderConfig`),
 # checked once on the driver and sent to every rank
 JobConfig = Any
@@ -205,8 +218,8 @@ class Job:
     def fit(self, run: Run, config: JobConfig, world: World | None = None) -> None:
         raise NotImplementedError
 
-    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
-        """Load the checkpoint in `folder`, export it: (staged ONNX file, the framework's output)."""
+    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path) -> Exported:
+        """Load the checkpoint in `folder` and export it (staged in `output`)."""
         raise NotImplementedError
 
     # ---- shared by the frameworks' loops

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import launch
-from .contract import Job, JobConfig, Run
+from .contract import Exported, Job, JobConfig, Run
 from .errors import UserError
 from .flags import UseGpu, positive_int
 from .keras_base import WEIGHTS, StepTimedReport, load
@@ -197,4 +197,4 @@ class KerasJob(Job):
 
         model = self.model(config)
         model.load_weights(str(folder / WEIGHTS))
-        return export_keras(model, inputs, output), model.predict(inputs, verbose=0)
+        return Exported(export_keras(model, inputs, output), model.predict(inputs, verbose=0))

@@ -101,6 +101,14 @@ def _prune(output: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _remove(path: Path) -> None:
+    """A staged file or folder that will not be published."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _fsync(path: Path) -> None:
     """A file's data, or a folder's entries, on disk before anything points at them."""
     fd = os.open(path, os.O_RDONLY)
@@ -111,17 +119,20 @@ def _fsync(path: Path) -> None:
 
 
 def export_torch(model, example, output: Path, input_name: str = "input",
-                 output_name: str = "output") -> Path:
-    """torch.nn.Module -> ONNX (dynamo exporter, single file, dynamic batch axis)."""
+                 output_name: str = "output", sequence: tuple[int, int] | None = None) -> Path:
+    """torch.nn.Module -> ONNX (dynamo exporter, single file, dynamic batch axis; with `sequence`,
+    (least, most), axis 1 is dynamic too: a language model's tokens)."""
     import torch
 
     path = staging_path(output)
     model = model.eval().cpu()
-    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    axes = {0: torch.export.Dim("batch", min=1, max=1 << 16)}
+    if sequence is not None:
+        axes[1] = torch.export.Dim("sequence", min=sequence[0], max=sequence[1])
     torch.onnx.export(
         model, (example.cpu(),), str(path), dynamo=True, external_data=False,
         input_names=[input_name], output_names=[output_name],
-        dynamic_shapes=({0: batch},), verbose=False,
+        dynamic_shapes=(axes,), verbose=False,
     )
     return path
 
@@ -171,8 +182,10 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
     onnx.checker.check_model(str(path))
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
-    got = sess.run(None, {name: inputs.astype(np.float32)})[0]
-    one = sess.run(None, {name: inputs[:1].astype(np.float32)})[0]
+    if inputs.dtype.kind not in "iu":  # token ids stay integers; images and features are float32
+        inputs = inputs.astype(np.float32)
+    got = sess.run(None, {name: inputs})[0]
+    one = sess.run(None, {name: inputs[:1]})[0]
     if got.shape != reference.shape or one.shape != reference[:1].shape:
         raise ParityError(f"onnxruntime output shape {got.shape} (batch of one: {one.shape}) "
                           f"differs from the framework's {reference.shape}")
@@ -256,9 +269,11 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
                        inputs: np.ndarray, reference: np.ndarray, metrics: dict,
                        world_size: int, packages: tuple[str, ...] = (),
                        extra: dict | None = None, tolerance: float = TOLERANCE,
-                       record_dir: Path | None = None) -> Published:
+                       record_dir: Path | None = None, beside: dict[str, Path] | None = None) -> Published:
     """Check the staged model; on success publish it with its manifest (and, given `record_dir`,
-    the run's record of where it went).
+    the run's record of where it went). `beside`: further staged files or folders (name -> staged
+    path, e.g. a language model's `save_pretrained` folder) published in the same folder, reached
+    as `<output>/<name>` like the model.
 
     Publishing is atomic: the pair is written whole into its own folder
     `<output>/publications/<seq>-<stamp>/` (the sequence one past every folder there, so never
@@ -272,9 +287,12 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
     On a parity failure the staged file is kept as model.rejected.onnx for inspection, the
     published model (if any) is left as it was, and a UserError says what happened.
     """
+    beside = beside or {}
     try:
         parity = check_parity(staged, inputs, reference, tolerance)
     except ParityError as e:
+        for extra_staged in beside.values():
+            _remove(extra_staged)
         rejected = output / "model.rejected.onnx"
         staged.replace(rejected)
         raise UserError(f"ONNX check failed: {e}; the rejected model is {rejected}, "
@@ -293,6 +311,7 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         "world_size": world_size,
         "git_commit": git_commit(),
         "working_dir": working_dir_package(),
+        **({"beside": sorted(beside)} if beside else {}),
         **(extra or {}),
     }
     folder = None
@@ -300,18 +319,21 @@ def verify_and_publish(staged: Path, output: Path, *, job: str, framework: str,
         _fsync(staged)
         folder = _new_publication(output, now)
         staged.replace(folder / MODEL_FILE)
+        for name, path in beside.items():
+            path.replace(folder / name)
         _write_json(folder / MANIFEST_FILE, manifest, sync=True)
         for synced in (folder, folder.parent):
             _fsync(synced)
         _link(output / CURRENT, Path(PUBLICATIONS) / folder.name)  # the switch
         _fsync(output)
-        for name in (MODEL_FILE, MANIFEST_FILE):
+        for name in (MODEL_FILE, MANIFEST_FILE, *beside):
             if not (output / name).is_symlink():
                 _link(output / name, Path(CURRENT) / name)
     except OSError as e:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-        staged.unlink(missing_ok=True)
+        for path in (staged, *beside.values()):
+            _remove(path)
         raise UserError(f"could not publish the model in {output} ({e.strerror or e}); the "
                         f"previous publication there (if any) is still current; free space "
                         "or give another --output, then rerun with the same --name") from None

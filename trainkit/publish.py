@@ -44,12 +44,14 @@ def publish(job: Job, run: Run, config: JobConfig, folder: Path, where: str, res
     world_size = meta["metrics"]["world_size"]  # after an elastic restart: the last epoch's
     inputs = job.held_out(config) if inputs is None else inputs
     output = Path(run.output)
-    staged, reference = job.export(folder, config, inputs, output)
+    exported = job.export(folder, config, inputs, output)
     export_s = time.perf_counter() - t0  # the parity check times itself (parity.seconds)
     published = verify_and_publish(
-        staged, output, job=job.name, framework=job.framework, inputs=inputs, reference=reference,
-        metrics=meta["metrics"], world_size=world_size, packages=job.packages,
-        extra={"launcher": run.launcher, **job.manifest(config, run), **meta.get("replicas", {}),
+        exported.model, output, job=job.name, framework=job.framework, inputs=inputs,
+        reference=exported.reference, metrics=meta["metrics"], world_size=world_size,
+        packages=job.packages, beside=exported.beside,
+        extra={"launcher": run.launcher, **job.manifest(config, run), **exported.manifest,
+               **meta.get("replicas", {}),
                "restarts": restarts, "tracking": tracking.check(run, meta["epoch"]),
                "timeline": timeline.for_manifest(export_s),
                "run": {**{f.name: getattr(run, f.name) for f in fields(run) if f.name not in RUN_REPORTERS},

@@ -129,9 +129,10 @@ class Store:
         raise NotImplementedError
 
     def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
-             replicas: dict | None = None) -> None:
+             replicas: dict | None = None, every_rank: bool = False) -> None:
         """Every rank calls this after each epoch; rank 0 calls `write(folder)` for the framework's
-        files. `replicas`: the ranks' parameter digests, kept for the manifest."""
+        files, or with `every_rank` each rank for its part (a sharded checkpoint: one folder in
+        the end). `replicas`: the ranks' parameter digests, kept for the manifest."""
         raise NotImplementedError
 
 
@@ -150,15 +151,16 @@ class RayStore(Store):
             yield Restored(Path(d), checkpoint.path, read_meta(Path(d)))
 
     def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
-             replicas: dict | None = None) -> None:
+             replicas: dict | None = None, every_rank: bool = False) -> None:
         import ray.train
 
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
-            if self.rank == 0:
+            if self.rank == 0 or every_rank:  # Ray merges the ranks' folders into one checkpoint
                 write(Path(d))
-                (Path(d) / META).write_text(json.dumps(self.meta(epoch, metrics, replicas), indent=1))
                 checkpoint = ray.train.Checkpoint.from_directory(d)
+            if self.rank == 0:
+                (Path(d) / META).write_text(json.dumps(self.meta(epoch, metrics, replicas), indent=1))
             ray.train.report(metrics, checkpoint=checkpoint)
 
 
@@ -188,13 +190,23 @@ class FolderStore(Store):
         yield Restored(found[-1], str(found[-1]), read_meta(found[-1])) if found else None
 
     def save(self, epoch: int, metrics: dict, write: Callable[[Path], None],
-             replicas: dict | None = None) -> None:
+             replicas: dict | None = None, every_rank: bool = False) -> None:
+        final = self.run_dir / f"checkpoint_{epoch:06d}"
+        if every_rank:  # one staging folder every rank knows, made empty by rank 0 first
+            tmp = self.run_dir / f".{final.name}.partial"
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.barrier()
+            write(tmp)
+            self.barrier()  # every part is written before rank 0 puts the folder in place
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            final = self.run_dir / f"checkpoint_{epoch:06d}"
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self.run_dir))
+            if not every_rank:
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self.run_dir))
             try:
-                write(tmp)
+                if not every_rank:
+                    write(tmp)
                 (tmp / META).write_text(json.dumps(self.meta(epoch, metrics, replicas), indent=1))
                 if final.exists():  # the same epoch saved again by a run that failed after it
                     shutil.rmtree(final)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import launch
-from .contract import Job, JobConfig, Run
+from .contract import Exported, Job, JobConfig, Run
 from .errors import UserError
 from .flags import UseGpu
 from .metrics import export_epoch
@@ -193,6 +193,9 @@ class TorchJob(Job):
     trainer = "torch"
     launchers = ("ray", "torchrun", "local")
     loader_workers = 0
+    # checkpoints in torch.distributed.checkpoint's layout (trainkit.sharding), every rank writing
+    # its part; False: rank 0 writes STATE_FILE (torch.save) for the replicas
+    distributed_checkpoint = False
 
     # ---- the job's part
     def model(self, config: JobConfig) -> nn.Module:
@@ -204,6 +207,19 @@ class TorchJob(Job):
     def datasets(self, config: JobConfig):
         """(training set, validation set): torch Datasets."""
         raise NotImplementedError
+
+    def shard(self, model: nn.Module, world: TorchWorld, config: JobConfig) -> bool:
+        """Shard the model across the world's group in place before its optimizer is made (FSDP:
+        `sharding.shard`): True when it did. False (the default, and always without a group):
+        replicas, wrapped by the world."""
+        return False
+
+    def accumulation(self, config: JobConfig) -> int:
+        """Batches whose gradients add up before each optimizer step."""
+        return 1
+
+    def finish_metrics(self, metrics: dict) -> None:
+        """Metrics derived from an epoch's (e.g. a perplexity from a loss), added in place."""
 
     def step(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward one batch: the mean loss to back-propagate, and per-batch sums of the metrics
@@ -219,13 +235,14 @@ class TorchJob(Job):
         store = self.store(run, config, world)
         torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
         model = self.model(config).to(world.device)
+        sharded = self.shard(model, world, config)
         optimizer = self.optimizer(model, run.lr, world.size)
-        start = self.resume(store, run, world, lambda folder: load_state(
-            model, optimizer, torch.load(folder / STATE_FILE, map_location=world.device,
-                                         weights_only=True), run.name))
+        start = self.resume(store, run, world, lambda folder: self.restore(folder, model, optimizer,
+                                                                           world, run.name))
         if start is None:
             return
-        wrapped, optimizer = world.wrap(model, optimizer)
+        wrapped, optimizer = (model, optimizer) if sharded else world.wrap(model, optimizer)
+        accumulate = self.accumulation(config)
         train_set, val_set = self.datasets(config)
         train = self.loader(train_set, run.batch_size, world, shuffle=True)
         val = self.loader(val_set, run.batch_size, world, shuffle=False)
@@ -234,22 +251,64 @@ class TorchJob(Job):
                 train.sampler.set_epoch(epoch)
             first_step = (lambda: self.report_first_step(run, world)) if epoch == start else None
             metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
-                                 first_step)
+                                 first_step, accumulate)
+            self.finish_metrics(metrics)
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
                            launcher=run.launcher, backend=world.backend)
             if world.use_gpu:  # what the tutorial read off nvidia-smi, from the allocator itself
                 metrics["gpu_memory_peak_mb"] = torch.cuda.max_memory_allocated(world.device) / 2**20
-            check = check_replicas_agree(world.gather(describe_rank(
-                p.detach().cpu().numpy() for p in model.state_dict().values())))
+            check = self.check_ranks(model, world, sharded)
             if world.rank == 0:
                 say_epoch(self.name, epoch + 1, run.epochs, metrics)
                 export_epoch(self.name, run.name, metrics, run.attempts)
 
-            store.save(epoch + 1, metrics, lambda folder: torch.save(
-                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / STATE_FILE),
-                replicas=check)
+            store.save(epoch + 1, metrics, lambda folder: self.save_state(folder, model, optimizer),
+                       replicas=check, every_rank=self.distributed_checkpoint)
             if world.rank == 0:
                 log_epoch(self.name, run, metrics)
+
+    def save_state(self, folder: Path, model: nn.Module, optimizer) -> None:
+        """The checkpoint's files: every rank's part (DCP), or rank 0's whole state."""
+        if self.distributed_checkpoint:
+            from . import sharding
+
+            sharding.save(folder, model, optimizer)
+        else:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       folder / STATE_FILE)
+
+    def restore(self, folder: Path, model: nn.Module, optimizer, world: TorchWorld, name: str) -> None:
+        """A checkpoint into this rank's model and optimizer (before they are wrapped)."""
+        if self.distributed_checkpoint:
+            from . import sharding
+
+            sharding.load(folder, model, optimizer, name)
+        else:
+            load_state(model, optimizer, torch.load(folder / STATE_FILE, map_location=world.device,
+                                                    weights_only=True), name)
+
+    def load_weights(self, folder: Path, model: nn.Module) -> None:
+        """A checkpoint's weights into a plain model, in one process (publishing)."""
+        if self.distributed_checkpoint:
+            from . import sharding
+
+            sharding.load_alone(folder, model)
+        else:
+            state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+            model.load_state_dict(state["model"])
+
+    def check_ranks(self, model: nn.Module, world: TorchWorld, sharded: bool) -> dict:
+        """After each epoch: replicas hold the same parameters (else a RuntimeError); sharded ranks
+        each hold their own part, recorded with its digest and host."""
+        if not sharded:
+            return check_replicas_agree(world.gather(describe_rank(
+                p.detach().cpu().numpy() for p in model.state_dict().values())))
+        from . import sharding
+
+        hosts, runtimes, digests = zip(*(d.split(" ", 2) for d in world.gather(
+            describe_rank(sharding.local_arrays(model)))), strict=True)
+        return {"sharded": True, "shard_digests": list(digests), "replica_hosts": list(hosts),
+                "replica_runtimes": list(runtimes)}
 
     def loader(self, dataset, batch_size: int, world: TorchWorld, shuffle: bool):
         """Ignite's auto_dataloader: a DistributedSampler over the world, pinned memory on GPU."""
@@ -261,12 +320,13 @@ class TorchJob(Job):
                           shuffle=shuffle and sampler is None, num_workers=self.loader_workers,
                           pin_memory=world.use_gpu, persistent_workers=self.loader_workers > 0)
 
-    def epoch(self, model, optimizer, train, val, world: TorchWorld, label: str, first_step) -> dict:
+    def epoch(self, model, optimizer, train, val, world: TorchWorld, label: str, first_step,
+              accumulate: int = 1) -> dict:
         timer = PhaseTimer(world.sync)
         sums: dict[str, torch.Tensor] = {}
         model.train()
         n_train = self.run_pass(model, train, world, timer, "processing_s", sums, optimizer, label,
-                                first_step)
+                                first_step, accumulate)
         train_s = timer.train_s
         timer.add("allreduce_s", world.take_allreduce_s())
         val_sums: dict[str, torch.Tensor] = {}
@@ -295,8 +355,9 @@ class TorchJob(Job):
         return metrics
 
     def run_pass(self, model, loader, world: TorchWorld, timer: PhaseTimer | None, phase: str | None,
-                 sums: dict, optimizer, label: str, first_step) -> int:
-        """One pass over a loader; metric sums stay on the device (no host sync per step).
+                 sums: dict, optimizer, label: str, first_step, accumulate: int = 1) -> int:
+        """One pass over a loader; metric sums stay on the device (no host sync per step). In
+        training, the optimizer steps after every `accumulate` batches (and after the last).
         Rank 0 shows the training pass's progress in quarters."""
         seen, every = 0, max(1, len(loader) // 4)
         batches = timer.batches(loader) if timer else loader
@@ -305,9 +366,10 @@ class TorchJob(Job):
                 batch = to_device(batch, world.device)
                 loss, stats = self.step(model, batch)
                 if optimizer is not None:
-                    optimizer.zero_grad()
-                    loss.backward()
-                    world.step(optimizer)
+                    (loss / accumulate if accumulate > 1 else loss).backward()
+                    if i % accumulate == 0 or i == len(loader):
+                        world.step(optimizer)
+                        optimizer.zero_grad()
                 for k, v in stats.items():
                     sums[k] = sums[k] + v.detach() if k in sums else v.detach().double()
             if i == 1 and first_step is not None:
@@ -318,16 +380,16 @@ class TorchJob(Job):
         return seen
 
     # ---- publishing
-    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
+    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path) -> Exported:
         from .onnx_export import export_torch
 
         model = self.model(config)
-        model.load_state_dict(torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)["model"])
+        self.load_weights(folder, model)
         model.eval()
         x = torch.from_numpy(inputs)
         with torch.no_grad():
             reference = model(x).numpy()
-        return export_torch(model, x, output), reference
+        return Exported(export_torch(model, x, output), reference)
 
 
 def load_state(model: nn.Module, optimizer, state: dict, name: str) -> None:

@@ -193,6 +193,7 @@ def checkpoints(home: Path, name: str) -> dict:
     ("ddp_autoencoder", TINY_AE),
     ("horovod_mnist", ["--batch-size", "256"]),
     ("tf_cnn", ["--per-class", "12", "--batch-size", "8"]),
+    ("finetune_lm", ["--limit", "6000", "--batch-size", "8", "--samples", "1"]),
 ])
 def test_each_job_alone_publishes_and_resumes_after_epoch_one(tmp_path, name, args):
     first = job(name, *args, "--epochs", "1", "--name", "r", home=tmp_path)

@@ -1,0 +1,102 @@
+"""The language-model job's own parts: sharded checkpoints across world sizes, fine-tuning from a
+save_pretrained folder, and its bad input (the job alone, published and resumed: test_harness)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_harness import REPO, job
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def torchrun(n: int, *args: str) -> str:
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", str(n),
+                           "tests/unit/reshard_check.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                                                       "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("world ")]
+    return line
+
+
+def test_a_sharded_checkpoint_of_two_ranks_loads_whole_on_one_and_on_three(tmp_path):
+    saved = torchrun(2, "save", str(tmp_path / "ckpt"))
+    parts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own part
+    want = saved.split(" ", 2)[2]  # the whole model and optimizer state, as rank 0 gathered it
+    for n in (1, 3):
+        assert torchrun(n, "load", str(tmp_path / "ckpt")) == f"world {n} {want}"
+
+
+def tiny_folder(folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, use_cache=False))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_fine_tuning_starts_from_the_folders_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainkit import data, text
+
+    weights = tiny_folder(tmp_path / "weights")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (corpus / "b.jsonl").write_text(json.dumps({"text": "Pack my box with five dozen liquor jugs."}) + "\n")
+    ids = text.tokenize(text.folder_documents(corpus), text.ByteTokenizer(), cache=tmp_path / "cache")
+    blocks = ids[: len(ids) // 32 * 32].reshape(-1, 32).astype(np.int64)
+    train, _ = data.split_indices(len(blocks), 0.05)
+    # one batch of the whole training set: the epoch's loss is the first step's, before any update
+    run = job("finetune_lm", "--model", str(weights), "--data", str(corpus), "--block-size", "32",
+              "--batch-size", str(len(train)), "--epochs", "1", "--samples", "1", "--name", "ft",
+              "--tracking", "off", home=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    m = json.loads((tmp_path / "models" / "ft" / "manifest.json").read_text())
+    with torch.no_grad():
+        x = torch.from_numpy(blocks[train])
+        own = AutoModelForCausalLM.from_pretrained(weights)(input_ids=x, labels=x).loss.item()
+    assert m["metrics"]["loss"] == pytest.approx(own, abs=1e-5), (m["metrics"]["loss"], own)
+    assert m["metrics"]["train_iters"] == 1 and m["model_source"] == str(weights.resolve())
+    assert m["parity"]["max_abs_diff"] <= 1e-4 and m["inputs"][0]["shape"] == ["batch", "sequence"]
+    assert len(m["samples"]) == 1 and re.search(r"\[finetune_lm\] sample: '.+' -> ", run.stdout)
+    # the published save_pretrained folder is the fine-tuned model: its logits are the ONNX model's
+    import onnxruntime as ort
+
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "ft" / "pretrained")
+    onnx = ort.InferenceSession(str(tmp_path / "models" / "ft" / "model.onnx"))
+    with torch.no_grad():
+        want = tuned(input_ids=x[:2]).logits.numpy()
+    got = onnx.run(None, {"input_ids": x[:2].numpy()})[0]
+    assert np.abs(got - want).max() <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["missing", "no weights", "empty corpus"])
+def test_bad_model_or_corpus_is_one_line_before_training(tmp_path, case):
+    weights, corpus = tmp_path / "weights", tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "empty.txt").write_text("" if case == "empty corpus" else "some text " * 100)
+    if case == "no weights":
+        tiny_folder(weights)
+        (weights / "model.safetensors").unlink()
+    args = ["--model", str(weights)] if case != "empty corpus" else []
+    run = job("finetune_lm", *args, "--data", str(corpus), "--name", "bad", "--tracking", "off",
+              home=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    want = {"missing": f"--model {weights}: no such folder; give a folder written by save_pretrained",
+            "no weights": f"--model {weights}: no weights in it (model.safetensors, pytorch_model.bin)",
+            "empty corpus": f"--data {corpus}: no text in it"}[case]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"finetune_lm: error: {want}"), last
+    assert "epoch 1" not in run.stdout and not (tmp_path / "runs" / "bad").exists()
