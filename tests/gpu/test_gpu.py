@@ -90,6 +90,26 @@ def test_autoencoder_on_ray_with_nccl(tmp_path, gpus):
     assert m["launcher"] == "ray"
 
 
+def test_language_model_under_torchrun_fsdp2_in_bfloat16(tmp_path, gpus):
+    """The language model's FSDP2 run on CUDA with NCCL, bfloat16 compute (`--precision auto` on a
+    GPU that supports it), published from its sharded checkpoint."""
+    pytest.importorskip("transformers", reason="Transformers is not installed on this machine "
+                                               "(make stage-gpu cannot carry it beside Ray: 76 MiB "
+                                               "over its 60)")
+    import torch
+
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    run(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
+        "jobs/finetune_lm.py", "--use-gpu", "true", "--size", "small", "--limit", "400000",
+        "--batch-size", "32", "--epochs", "2", "--tracking", "off", "--name", "lm")
+    m = manifest(tmp_path, "lm")
+    metrics = m["metrics"]
+    assert metrics["device"] == "cuda" and metrics["backend"] == "nccl"
+    assert metrics["gpu_memory_peak_mb"] > 0 and m["parity"]["max_abs_diff"] <= 1e-4
+    assert m["strategy"] == "fsdp" and metrics["val_perplexity"] > 0
+
+
 def horovod_nccl():
     hvd = pytest.importorskip("horovod.torch",
                               reason="Horovod is not installed (scripts/gpu_tier.sh builds it)")
