@@ -222,6 +222,15 @@ class FinetuneLM(TorchJob):
             if key in metrics:
                 metrics[key.replace("loss", "perplexity")] = math.exp(min(metrics[key], 50.0))
 
+    def before_step(self, model, optimizer) -> None:
+        # the most this rank held: after the first step its optimizer state exists, gradients too
+        self.held = max(getattr(self, "held", 0), sharding.held_bytes(model, optimizer))
+
+    def rank_metrics(self, model, optimizer, world) -> dict:
+        """What one rank held for training (parameters, gradients, optimizer state), measured on
+        each rank: the largest of them, in MiB (FSDP: about 1/N of a replica's)."""
+        return {"held_mib_per_rank": max(world.gather(getattr(self, "held", 0))) / 2**20}
+
     def held_out(self, config: LMConfig) -> np.ndarray:
         return config.corpus.blocks[config.val[:4]].astype(np.int64)
 

@@ -88,6 +88,24 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def held_bytes(model: nn.Module, optimizer) -> int:
+    """Bytes of the tensors this rank holds for training, counted from their storages: its
+    parameters (its shards under FSDP), their gradients and the optimizer's state."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def local_arrays(model: nn.Module):
     """This rank's own part of each parameter, as arrays (a replica's whole parameters unsharded)."""
     from torch.distributed.tensor import DTensor

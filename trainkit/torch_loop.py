@@ -221,6 +221,13 @@ class TorchJob(Job):
     def finish_metrics(self, metrics: dict) -> None:
         """Metrics derived from an epoch's (e.g. a perplexity from a loss), added in place."""
 
+    def before_step(self, model: nn.Module, optimizer) -> None:
+        """Called before each optimizer step, gradients in place (e.g. to measure what a rank holds)."""
+
+    def rank_metrics(self, model: nn.Module, optimizer, world: TorchWorld) -> dict:
+        """Metrics each rank measures of itself, after an epoch (every rank calls this: it may gather)."""
+        return {}
+
     def step(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward one batch: the mean loss to back-propagate, and per-batch sums of the metrics
         (e.g. {"loss": loss * n, "accuracy": correct}); the harness divides by the samples seen."""
@@ -253,6 +260,7 @@ class TorchJob(Job):
             metrics = self.epoch(wrapped, optimizer, train, val, world, f"epoch {epoch + 1}/{run.epochs}",
                                  first_step, accumulate)
             self.finish_metrics(metrics)
+            metrics.update(self.rank_metrics(model, optimizer, world))
             metrics.update(epoch=epoch + 1, world_size=world.size, device=world.device.type,
                            launcher=run.launcher, backend=world.backend)
             if world.use_gpu:  # what the tutorial read off nvidia-smi, from the allocator itself
@@ -368,6 +376,7 @@ class TorchJob(Job):
                 if optimizer is not None:
                     (loss / accumulate if accumulate > 1 else loss).backward()
                     if i % accumulate == 0 or i == len(loader):
+                        self.before_step(model, optimizer)
                         world.step(optimizer)
                         optimizer.zero_grad()
                 for k, v in stats.items():

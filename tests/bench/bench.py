@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import fsdp  # tests/bench/fsdp.py, beside this file
 import strategies  # tests/bench/strategies.py, beside this file
 
 from trainkit import launch, plots, record
@@ -344,6 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy-epochs", type=int, default=3, metavar="N",
                    help="TensorFlow: MultiWorkerMirrored against ParameterServer on Ray, N epochs each, "
                         "worker 1 at full speed and slowed (0: skip)")
+    p.add_argument("--lm-epochs", type=int, default=2, metavar="N",
+                   help="epochs of each finetune_lm run (FSDP2 against DDP, 2 workers on Ray); 0: none")
+    p.add_argument("--lm-size", default="small", choices=("tiny", "small"),
+                   help="the model finetune_lm builds for the comparison")
+    p.add_argument("--lm-limit", type=int, default=200000, metavar="N",
+                   help="tokens of the built-in corpus the finetune_lm runs train on")
     p.add_argument("--strategy-runs", default=",".join(strategies.RUNS), metavar="S:SPEED,...",
                    help="which of the strategy comparison's runs (STRATEGY:full|slowed, comma-separated; "
                         "default: all four)")
@@ -355,9 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [j for j in a.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
     if unknown or a.repeats < 1 or a.epochs < 1 or min(a.folder_scale, a.mnist_train, a.tf_per_class,
-                                                        a.strategy_epochs) < 0 or not 0 < a.slow_share < 1:
+                                                        a.strategy_epochs, a.lm_epochs) < 0 \
+            or not 0 < a.slow_share < 1:
         raise UserError(f"--jobs must name some of {', '.join(JOBS)}, --repeats/--epochs be >= 1, "
-                        "--mnist-train/--tf-per-class/--folder-scale/--strategy-epochs >= 0 and "
+                        "--mnist-train/--tf-per-class/--folder-scale/--strategy-epochs/--lm-epochs >= 0 and "
                         "--slow-share between 0 and 1")
     strategy_runs = strategies.parse_runs(a.strategy_runs)  # a bad one: one line, before any run
     if a.limit:
@@ -388,6 +396,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.strategy_epochs:
             compared = strategies.compare([*JOBS["tf_cnn"], "--epochs", str(a.strategy_epochs)], a.slow_share,
                                           lambda argv: ray_job(argv, current), Path(tmp), strategy_runs)
+        sharded = None
+        if a.lm_epochs:
+            lm_args = ["--size", a.lm_size, "--limit", str(a.lm_limit), "--batch-size", "8", "--epochs",
+                       str(a.lm_epochs)]
+            sharded = fsdp.compare(lm_args, lambda argv: ray_job(argv, current), Path(tmp))
     summary = summarize(runs) if jobs else {}
     cost = tracking_cost(runs) if jobs else None
     if summary:
@@ -399,9 +412,12 @@ def main(argv: list[str] | None = None) -> None:
         print("\nlaunch to first step, median seconds per part:\n" + startup_table(runs))
     if compared:
         print("\nTensorFlow's strategies, worker 1 at full speed and slowed:\n" + strategies.table(compared))
+    if sharded:
+        print("\nthe language model, FSDP2 against DDP:\n" + fsdp.table(sharded))
     (out / "bench.json").write_text(json.dumps({"cluster": current.name, "machine": host,
                                                 "epochs": a.epochs, "summary": summary, "runs": runs,
                                                 "folder_scale": scale, "strategies": compared,
+                                                "sharding": sharded,
                                                 "tracking": cost},
                                                indent=2) + "\n")
     if summary:
@@ -410,6 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     if compared:
         strategies.plot(compared, out / "strategies.png")
         print(f"[bench] {out / 'strategies.png'}")
+    if sharded:
+        fsdp.plot(sharded, out / "fsdp.png")
+        print(f"[bench] {out / 'fsdp.png'}")
     print(f"[bench] {out / 'bench.json'}")
 
 

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bench"))
 import bench  # noqa: E402  (tests/bench/bench.py)
+import fsdp  # noqa: E402
 import strategies  # noqa: E402
 
 from trainkit.errors import UserError  # noqa: E402
@@ -51,6 +52,20 @@ def test_some_of_the_four_runs_are_tabled_and_drawn_without_ratios(tmp_path):
     assert row.startswith("| ParameterServer | 50% of the CPU |") and row.endswith("| - |"), row
     strategies.plot(one, tmp_path / "one.png")
     assert is_png(tmp_path / "one.png")
+
+
+def test_the_sharding_comparison_of_two_recorded_runs_is_tabled_and_drawn(tmp_path):
+    result = json.loads((RESULTS / "fsdp.json").read_text())["sharding"]
+    by = {r["strategy"]: r for r in result["runs"]}
+    again = fsdp.summarize(result["runs"])  # the ratios recomputed from the runs themselves
+    assert again["fsdp_over_ddp"] == pytest.approx(result["fsdp_over_ddp"])
+    held = by["fsdp"]["held_mib_per_rank"] / by["ddp"]["held_mib_per_rank"]
+    assert 0.4 < held < 0.6  # 2 workers: a shard holds about half of a replica's state
+    table = fsdp.table(result).splitlines()
+    assert len(table) == 2 + 2 + 1, table  # header, rule, a row per run, the ratios
+    assert table[-1].startswith(f"| FSDP / DDP | {held:.2f}x (1/2 = 0.50) |"), table[-1]
+    fsdp.plot(result, tmp_path / "fsdp.png")
+    assert is_png(tmp_path / "fsdp.png")
 
 
 @pytest.mark.parametrize("text", ["ps", "ps:half", "mirrored:full", ","])
