@@ -44,7 +44,8 @@ def main(mode: str, folder: Path) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer, options=full)
     if dist.get_rank() == 0:
         print(f"world {dist.get_world_size()} model {digest(model_state)} "
-              f"optimizer {digest(optimizer_state)}")
+              f"optimizer {digest(optimizer_state)}", flush=True)
+    dist.barrier()  # every rank leaves together: Gloo aborts a rank whose peers tore down first
     dist.destroy_process_group()
 
 
