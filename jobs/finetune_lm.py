@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainkit import flags, sharding, text
+from trainkit import data, flags, sharding, text
 from trainkit.contract import Exported
 from trainkit.errors import UserError
 from trainkit.job import run_from_command_line
@@ -152,8 +152,6 @@ class FinetuneLM(TorchJob):
             raise UserError(f"--block-size {args.block_size} is longer than the model's "
                             f"{positions} positions; use --block-size <= {positions}")
         corpus = text.corpus(args.data, tokenizer, args.block_size, args.limit)
-        from trainkit import data
-
         train, val = data.split_indices(len(corpus.blocks), args.val_fraction)
         return LMConfig(str(model_dir) if model_dir else None, args.size, model_config, tokenizer.name,
                         corpus, train, val, args.strategy, args.precision, args.activation_checkpointing,

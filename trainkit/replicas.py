@@ -25,6 +25,14 @@ def describe_rank(arrays) -> str:
     return f"{socket.gethostname()} {os.environ.get('DLC_RAY_RUNTIME') or '-'} {parameter_digest(arrays)}"
 
 
+def record_shards(described: list[str]) -> dict:
+    """Sharded ranks (FSDP) each hold their own part: what the manifest records of them, from
+    `describe_rank()` of each rank's part gathered over the world (nothing to agree on)."""
+    hosts, runtimes, digests = zip(*(d.split(" ", 2) for d in described), strict=True)
+    return {"sharded": True, "shard_digests": list(digests), "replica_hosts": list(hosts),
+            "replica_runtimes": list(runtimes)}
+
+
 def check_replicas_agree(described: list[str]) -> dict:
     """All ranks hold the same parameters, else a RuntimeError. `described`: each rank's
     "<host> <runtime> <digest>" (rank order), from `describe_rank()` gathered over the world."""

@@ -23,7 +23,7 @@ from .errors import UserError
 from .flags import UseGpu
 from .metrics import export_epoch
 from .progress import say_epoch
-from .replicas import check_replicas_agree, describe_rank
+from .replicas import check_replicas_agree, describe_rank, record_shards
 from .timing import PhaseTimer
 from .tracking import log_epoch
 
@@ -313,10 +313,7 @@ class TorchJob(Job):
                 p.detach().cpu().numpy() for p in model.state_dict().values())))
         from . import sharding
 
-        hosts, runtimes, digests = zip(*(d.split(" ", 2) for d in world.gather(
-            describe_rank(sharding.local_arrays(model)))), strict=True)
-        return {"sharded": True, "shard_digests": list(digests), "replica_hosts": list(hosts),
-                "replica_runtimes": list(runtimes)}
+        return record_shards(world.gather(describe_rank(sharding.local_arrays(model))))
 
     def loader(self, dataset, batch_size: int, world: TorchWorld, shuffle: bool):
         """Ignite's auto_dataloader: a DistributedSampler over the world, pinned memory on GPU."""
