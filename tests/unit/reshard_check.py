@@ -3,6 +3,7 @@
 a sharded checkpoint; rank 0 prints the digest of the whole model and optimizer state."""
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -45,9 +46,17 @@ def main(mode: str, folder: Path) -> None:
     if dist.get_rank() == 0:
         print(f"world {dist.get_world_size()} model {digest(model_state)} "
               f"optimizer {digest(optimizer_state)}", flush=True)
-    dist.barrier()  # every rank leaves together: Gloo aborts a rank whose peers tore down first
+    dist.barrier()  # every rank leaves together
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    # Leave without the interpreter's finalization. In about one full run in three, rank 0 of the
+    # 3-rank load printed the right digests, passed the barrier and the group's teardown, and then
+    # aborted ("terminate called without an active exception", SIGABRT) while the interpreter freed
+    # what Gloo's threads still held (pytorch/pytorch#179291 describes that crash). The digests are
+    # what this script proves; a crash before this line still fails the test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
