@@ -4,6 +4,7 @@ log, the playbooks' syntax against both inventories, and docs/servers.md naming 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -689,3 +690,111 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
     assert "admin_username = dlc" in ini and "admin_password = pw" in ini
     assert "database_uri = postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
     assert "default_permission = NO_PERMISSIONS" in ini
+
+
+# ---- package repositories' signing keys, against their pins (ansible/filter_plugins/dlc_keys.py)
+KEYRINGS = sorted([*Path("/etc/apt/trusted.gpg.d").glob("*.asc"),
+                   *Path("/usr/share/keyrings").glob("debian-*.gpg")])
+
+
+def gpg_fingerprints(path: Path, home: Path) -> list[str]:
+    """gpg's own fingerprints of the primary keys in a key file (the first fpr after each pub)."""
+    out = subprocess.run(["gpg", "--show-keys", "--with-colons", str(path)], capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin", "GNUPGHOME": str(home)}).stdout
+    found, wanted = [], False
+    for fields in (line.split(":") for line in out.splitlines()):
+        if fields[0] in ("pub", "sub"):
+            wanted = fields[0] == "pub"
+        elif fields[0] == "fpr" and wanted:
+            found.append(fields[9])
+            wanted = False
+    return found
+
+
+@pytest.mark.skipif(not KEYRINGS or not shutil.which("gpg"),
+                    reason="no Debian keyrings or gpg on this machine")
+def test_the_fingerprints_are_gpgs_for_real_keyrings_armored_and_binary(tmp_path):
+    import dlc_keys
+
+    tmp_path.chmod(0o700)
+    seen = 0
+    for path in KEYRINGS:
+        text = path.read_text() if path.suffix == ".asc" else path.read_bytes()
+        want = gpg_fingerprints(path, tmp_path)
+        assert dlc_keys.openpgp_fingerprints(text) == want, path
+        seen += len(want)
+    assert seen > len(KEYRINGS)  # some hold several keys (Debian's archive keyring: 9)
+
+
+@pytest.mark.skipif(not KEYRINGS, reason="no Debian keyrings on this machine")
+def test_a_key_that_is_not_pinned_is_one_line_and_a_pinned_one_passes():
+    import dlc_keys
+
+    armored = sorted(p for p in KEYRINGS if p.suffix == ".asc" and p.name.endswith("-stable.asc"))
+    mine, stranger = armored[0].read_text(), armored[-1].read_text()
+    (pin,), (other,) = dlc_keys.openpgp_fingerprints(mine), dlc_keys.openpgp_fingerprints(stranger)
+    url, var = "https://apt.example.org/gpg.key", "grafana_key_fingerprints"
+    spaced = " ".join(pin[i:i + 4] for i in range(0, 40, 4)).lower()  # as gpg prints it, any case
+    assert dlc_keys.signing_key_problem(mine, url, [spaced], "node-1", var) == ""
+    both = mine + "\n" + stranger  # a file holding the pinned key and another: apt would trust both
+    for text, pins, expect in [
+        (stranger, [pin], f"node-1: the signing key from {url} has fingerprint {other}, not one pinned in "
+                          f"{var} ({pin}): something in between sent its own key, or the repository rotated"),
+        (both, [pin], f"has fingerprint {other}, not one pinned in {var}"),
+        (mine, [], f"node-1: {var} is empty: pin the fingerprint of the key at {url}"),
+        ("<html>proxy error</html>", [pin],
+         f"node-1: {url} did not send a readable OpenPGP key (no PGP PUBLIC KEY BLOCK in it): a proxy or "
+         "mirror in between?"),
+    ]:
+        line = dlc_keys.signing_key_problem(text, url, pins, "node-1", var)
+        assert expect in line and "\n" not in line, line
+        assert line.endswith("changed on node-1)") or line.endswith("changed on node-1"), line
+    assert dlc_keys.signing_key_problem(both, url, [pin, other], "node-1", var) == ""
+
+
+def _tasks(items: list) -> list[dict]:
+    """The tasks of a task file in order, blocks flattened."""
+    out = []
+    for task in items or []:
+        for part in ("block", "rescue", "always"):
+            out += _tasks(task.get(part, []))
+        if not any(part in task for part in ("block", "rescue", "always")):
+            out.append(task)
+    return out
+
+
+def test_every_apt_key_is_checked_against_its_pin():
+    """Every task that writes into /etc/apt/keyrings writes a fetched key's content, and an earlier
+    task of its file fails with that content's signing_key_problem (so apt trusts nothing unpinned)."""
+    kept = 0
+    for path in sorted(ANSIBLE.glob("roles/*/tasks/*.yml")):
+        tasks = _tasks(yaml.safe_load(path.read_text()))
+        for i, task in enumerate(tasks):
+            module = next((task[k] for k in task
+                           if k.startswith("ansible.builtin.") and isinstance(task[k], dict)), {})
+            dest = str(module.get("dest", ""))
+            if not dest.startswith("/etc/apt/keyrings/"):
+                continue
+            kept += 1
+            assert "ansible.builtin.copy" in task, f"{path.name}: {task['name']}: a key kept unchecked"
+            fetched = re.fullmatch(r"\{\{ (\w+)\.content \}\}", module["content"]).group(1)
+            checks = [t for t in tasks[:i] if "ansible.builtin.fail" in t
+                      and f"{fetched}.content | signing_key_problem(" in yaml.safe_dump(t.get("vars", {}))]
+            assert checks, f"{path.name}: {task['name']}: no signing_key_problem check of {fetched} before it"
+    assert kept == 3  # Grafana's, NVIDIA's container toolkit, the CUDA repository
+
+
+def test_ansible_finds_the_key_check_by_name(tmp_path):
+    """The filter as the roles call it, through Ansible itself (its plugin path, its Jinja)."""
+    key = next((p for p in KEYRINGS if p.suffix == ".asc"), None)
+    if key is None:
+        pytest.skip("no armored Debian keyring on this machine")
+    expr = ("{{ lookup('file', '" + str(key) + "')"
+            " | signing_key_problem('https://k', ['00' * 20], 'node-1', 'v') }}")
+    env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "HOME": str(Path.home()),
+           "ANSIBLE_FILTER_PLUGINS": str(ANSIBLE / "filter_plugins")}  # a playbook finds them beside it
+    proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible"), "localhost", "-i", "localhost,",
+                           "-c", "local", "-m", "ansible.builtin.debug", "-a", f"msg={json.dumps(expr)}"],
+                          cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "node-1: the signing key from https://k has fingerprint " in proc.stdout, proc.stdout[-2000:]
