@@ -42,10 +42,10 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 WORDS = ("ansible_host", "ansible_user", "dlc_ssh_user", "dlc_ssh_key", "dlc_ssh_gateway", "dlc_image",
          "docker_image_archive")
 WORD = re.compile(r"[A-Za-z0-9._~/@:+%=,\[\]-]+")
-# Ray's account: a POSIX account name (the run history's user too: it goes into a shell and a
-# Python string when its password is set)
+# Ray's account: a POSIX account name (the run history's login too: it goes into a shell and a
+# Python string when its password is set; and the account its server runs as)
 ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user")
+ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user", "tracking_service_user")
 # PostgreSQL's names for the run history (its account and databases): SQL identifiers, unquoted
 SQL_NAMES = ("tracking_db_user", "tracking_db", "tracking_auth_db")
 SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -251,9 +251,15 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
         if not NAME.fullmatch(str(host)):
             out.append(f"{host!r}: a server's name in the inventory goes into its certificate, /etc/hosts "
                        f"and the ssh config: use letters, digits, . _ - (its address goes in ansible_host)")
+    ray_user = (cluster or {}).get("dlc_ray_user")
     for host in nodes:
         hv = hostvars[host]
         out.extend(host_problems(host, hv))
+        ray = ray_user if ray_user is not None else _value(hv, "dlc_ray_user")
+        if ray is not None and _value(hv, "tracking_service_user") == str(ray):
+            out.append(f"{host}: tracking_service_user is {ray}, Ray's account (dlc_ray_user): the run "
+                       f"history needs an account of its own, so that jobs cannot read its database "
+                       f"password or rewrite its artifacts: set another name")
         addr = private_address(host, hv)
         if addr in seen:
             out.append(f"{host}: its private address {addr} is also {seen[addr]}'s: give each node "

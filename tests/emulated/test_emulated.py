@@ -748,6 +748,18 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     for node in NODES:  # (ssh joins its arguments into one command line: the format quoted in it)
         assert emulated.ssh(node, "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_auth"
                             ).stdout.split() == ["640", "root", "raysvc"], node
+    # the server runs as its own account: Ray's (every job's) cannot read its database password, nor
+    # write its artifacts, nor signal it
+    pid = emulated.ssh("node-1", "systemctl", "show", "-p", "MainPID", "--value", "dlc-mlflow").stdout.strip()
+    assert emulated.ssh("node-1", "ps", "-o", "user=", "-p", pid).stdout.split() == ["dlc-mlflow"], pid
+    for name in ("mlflow.env", "mlflow-auth.ini"):
+        assert emulated.ssh("node-1", f"sudo stat -c '%a %U %G' /etc/dlcluster/{name}"
+                            ).stdout.split() == ["640", "root", "dlc-mlflow"], name
+        denied = emulated.ssh("node-1", "sudo", "-u", "raysvc", "cat", f"/etc/dlcluster/{name}")
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, name
+    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /srv/dlcluster/mlflow-artifacts"
+                        ).stdout.split() == ["750", "dlc-mlflow", "dlc-mlflow"]
+    assert emulated.ssh("node-1", "sudo", "-u", "raysvc", "kill", "-0", pid).returncode != 0
     # MLflow's client reads its credentials from the environment only: set for this test alone
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)

@@ -668,7 +668,8 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
                 tracking_artifacts_dir="/srv/data/mlflow-artifacts", dlc_image="dlcluster:gpu",
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
                 tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
-                tracking_password="pw")
+                tracking_password="pw", tracking_service_user="dlc-mlflow", tracking_account={"uid": 998},
+                tracking_group={"gid": 997})
     for runtime in ("host", "docker"):
         unit = env.get_template("dlc-mlflow.service.j2").render(**{**head, "dlc_ray_runtime": runtime})
         lines = unit.splitlines()
@@ -678,10 +679,11 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
         assert "Requires=postgresql.service" in lines and "RequiresMountsFor=/srv/data" in lines
         assert "Requires=dlc-firewall.service" in lines
         if runtime == "host":
-            assert "User=ray" in lines and "EnvironmentFile=/etc/dlcluster/mlflow.env" in lines
+            assert "User=dlc-mlflow" in lines and "EnvironmentFile=/etc/dlcluster/mlflow.env" in lines
+            assert "Group=dlc-mlflow" in lines and "User=ray" not in lines  # its own account, not Ray's
             assert start.startswith("ExecStart=/opt/venv/bin/mlflow server")
         else:
-            assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 1500:1500" in start
+            assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 998:997" in start
             assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
     settings = env.get_template("mlflow.env.j2").render(**head)
     assert "MLFLOW_BACKEND_STORE_URI=postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow" in settings

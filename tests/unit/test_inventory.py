@@ -84,6 +84,10 @@ BAD = [
     ("key-path-with-quote", on(VARS, "    dlc_ssh_key: ~/.ssh/id'x\n"), "dlc_ssh_key is \"~/.ssh/id'x\""),
     ("ray-user-upper-case", on(VARS, "    dlc_ray_user: Ray Svc\n"),
      "dlc_ray_user is 'Ray Svc': an account name is lower case letters"),
+    ("tracking-runs-as-ray", on(VARS, "    dlc_ray_user: ray\n    tracking_service_user: ray\n"),
+     "tracking_service_user is ray, Ray's account (dlc_ray_user): the run history needs an account"),
+    ("tracking-account-injects", on(VARS, "    tracking_service_user: \"x; id\"\n"),
+     "tracking_service_user is 'x; id': an account name is lower case letters"),
     # the firewall's network: a network, not all of IPv4, holding every node
     ("cidr-prefix-33", on(VARS, "    firewall_private_cidr: 10.0.0.0/33\n"),
      "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_cidr is '10.0.0.0/33', not an IPv4 network"),
