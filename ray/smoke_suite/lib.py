@@ -309,6 +309,7 @@ class Jobs:
         from ray.job_submission import JobSubmissionClient
 
         self.working_dir = working_dir
+        self.running: set[str] = set()  # submitted, not yet seen ended (stop_all's)
 
         for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # chatter on every submission
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -332,6 +333,7 @@ class Jobs:
         job_id = f"smoke-{label}-{time.strftime('%H%M%S')}-{secrets.token_hex(3)}"
         t0 = time.monotonic()
         note(f"{label}: submitting {shlex.join(argv)} (job {job_id})")
+        self.running.add(job_id)
         self.client.submit_job(entrypoint=shlex.join(argv), submission_id=job_id,
                                runtime_env={"working_dir": str(self.working_dir), "excludes": EXCLUDES})
         try:
@@ -340,6 +342,8 @@ class Jobs:
             note(f"{label}: interrupted; stopping job {job_id}")
             self._stop(job_id)
             raise
+        finally:
+            self.running.discard(job_id)
         seconds = time.monotonic() - t0
         try:
             logs = self.client.get_job_logs(job_id)
@@ -352,6 +356,11 @@ class Jobs:
             except Exception:
                 pass
         return JobRun(job_id, status, seconds, logs, message)
+
+    def stop_all(self) -> None:
+        """Stop every job still running (the waits of other threads, when the main one is interrupted)."""
+        for job_id in list(self.running):
+            self._stop(job_id)
 
     def _status(self, job_id: str) -> str:
         return str(self.client.get_job_status(job_id)).rsplit(".", 1)[-1]
@@ -415,6 +424,15 @@ class Context:
     def use_gpu(self) -> bool:
         """GPUs (NCCL) when every worker node has one, else CPUs (gloo)."""
         return bool(self.worker_nodes) and all(n["gpus"] > 0 for n in self.worker_nodes)
+
+    @property
+    def trainers_at_once(self) -> int:
+        """How many of the trainers fit the cluster together: each puts one worker on every worker
+        node (a CPU each, or a GPU each when training on GPUs), so as many as the smallest node holds."""
+        if not self.worker_nodes:
+            return 1
+        per_node = min(int(n["gpus"] if self.use_gpu else n["cpus"]) for n in self.worker_nodes)
+        return max(1, min(len(TRAINERS), per_node))
 
     @property
     def rec(self) -> record.ClusterRecord:

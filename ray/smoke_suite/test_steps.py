@@ -153,12 +153,15 @@ def quarantine(rec, found) -> list[str]:
 
 def test_trainers(ctx: Context, details: dict):
     """The three jobs, one tiny epoch with one worker per node; each must succeed and leave an
-    ONNX model that a check job on the cluster loads, runs and checks against its manifest."""
+    ONNX model that a check job on the cluster loads, runs and checks against its manifest. As many
+    run at once as every worker node has CPUs (GPUs) for: one worker of each on every node."""
     ctx.need_workers()
-    results: dict[str, dict] = {}
-    details.update({"jobs": results, "workers": ctx.workers, "left_out": ctx.left_out})
-    models = []
-    for job in TRAINERS:
+    results: dict[str, dict] = {job: {} for job in TRAINERS}  # the report's order, whatever ends first
+    at_once = ctx.trainers_at_once
+    details.update({"jobs": results, "workers": ctx.workers, "left_out": ctx.left_out, "at_once": at_once})
+    log(f"trainers: {at_once} at a time (one worker of each on every node)")
+
+    def train(job: str) -> None:
         name = f"smoke-{job.replace('_', '-')}-{ctx.stamp}"
         argv = ["python", f"jobs/{job}.py", *trainer_args(job, ctx.workers, ctx.use_gpu), "--name", name]
         if ctx.args.storage_path:
@@ -166,19 +169,27 @@ def test_trainers(ctx: Context, details: dict):
         if ctx.args.models_dir:
             argv += ["--output", str(Path(ctx.args.models_dir) / name)]
         if time.monotonic() >= ctx.deadline:
-            results[job] = {"name": name, "ok": False, "error": f"{job}: no time left in the step"}
-            continue
+            results[job].update(name=name, ok=False, error=f"{job}: no time left in the step")
+            return
         run = ctx.jobs.run(job, argv, ctx.deadline)
-        results[job] = {"name": name, **run.summary()}
+        results[job].update(name=name, **run.summary())
         if not run.ok:
             results[job].update(ok=False, error=job_error(job, run), log_tail=run.tail())
-            log(f"{job}: {run.status} after {run.seconds:.0f} s; the job's last {len(run.tail())} lines:")
-            for line in run.tail():
-                print(f"    {line}", flush=True)
+            log(f"{job}: {run.status} after {run.seconds:.0f} s; the job's last {len(run.tail())} lines:\n"
+                + "\n".join(f"    {line}" for line in run.tail()))
         else:
             log(f"{job}: succeeded in {run.seconds:.0f} s")
-            # the check job finds the model through the run's record (published.json)
-            models.append({"job": job, "name": name, "storage_path": ctx.args.storage_path})
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        try:
+            for done in [pool.submit(train, job) for job in TRAINERS]:
+                done.result()
+        except BaseException:  # the step's hard stop, Ctrl-C: no trainer outlives it
+            ctx.jobs.stop_all()
+            raise
+    # the check job finds each model through the run's record (published.json)
+    models = [{"job": job, "name": r["name"], "storage_path": ctx.args.storage_path}
+              for job, r in results.items() if r.get("status") == "SUCCEEDED"]
     if models:
         argv = ["python", "ray/smoke_checks.py", "models", "--world-size", str(ctx.workers),
                 "--runs", json.dumps(models)]

@@ -477,6 +477,21 @@ def test_a_head_without_cpus_takes_no_worker():
         ctx.need_workers()
 
 
+def test_the_trainers_run_together_as_far_as_the_smallest_node_holds_one_worker_of_each():
+    d = remote_desc()
+    ctx = lib.Context(d, args(), None)
+    for n in d["nodes"]:  # GPU nodes: a GPU per worker, whatever the CPUs
+        n.update(cpus=16, gpus=8)
+    assert ctx.use_gpu and ctx.trainers_at_once == len(lib.TRAINERS)  # all three at once
+    d["nodes"][1]["gpus"] = 1
+    assert ctx.trainers_at_once == 1  # one after the other: a node has room for one worker
+    for n in d["nodes"]:  # CPU nodes (the emulated cluster's: 2 CPUs each): two at once
+        n.update(cpus=2, gpus=0)
+    assert not ctx.use_gpu and ctx.trainers_at_once == 2
+    d["nodes"][0]["cpus"] = 0  # a head that takes no worker does not count
+    assert ctx.trainers_at_once == 2
+
+
 def test_clean_removes_a_smoke_runs_model_folder_and_run_folder(tmp_path):
     """--clean after a passing check: the smoke run's <output> (with its publications) and its
     Ray Train run folder go; nothing named otherwise is touched."""
