@@ -45,7 +45,7 @@ WORD = re.compile(r"[A-Za-z0-9._~/@:+%=,\[\]-]+")
 # Ray's account: a POSIX account name (the run history's login too: it goes into a shell and a
 # Python string when its password is set; and the account its server runs as)
 ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user", "tracking_service_user")
+ACCOUNTS = ("dlc_ray_user", "dlc_tracking_user", "dlc_tracking_jobs_user", "tracking_service_user")
 # PostgreSQL's names for the run history (its account and databases): SQL identifiers, unquoted
 SQL_NAMES = ("tracking_db_user", "tracking_db", "tracking_auth_db")
 SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -255,6 +255,11 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
     for host in nodes:
         hv = hostvars[host]
         out.extend(host_problems(host, hv))
+        admin, jobs = _value(hv, "dlc_tracking_user"), _value(hv, "dlc_tracking_jobs_user")
+        if admin is not None and admin == jobs:
+            out.append(f"{host}: dlc_tracking_jobs_user is {jobs}, the run history's administrator "
+                       f"(dlc_tracking_user): the jobs need an account of their own, which every node "
+                       f"holds and which may not administer the run history: set another name")
         ray = ray_user if ray_user is not None else _value(hv, "dlc_ray_user")
         if ray is not None and _value(hv, "tracking_service_user") == str(ray):
             out.append(f"{host}: tracking_service_user is {ray}, Ray's account (dlc_ray_user): the run "

@@ -748,6 +748,23 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     for node in NODES:  # (ssh joins its arguments into one command line: the format quoted in it)
         assert emulated.ssh(node, "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_auth"
                             ).stdout.split() == ["640", "root", "raysvc"], node
+    # the nodes hold the jobs' account, not the administrator's: it logged the README run above, and
+    # may not make an account; the administrator's copy on the head is root's alone
+    jobs_user, jobs_password = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth"
+                                            ).stdout.strip().split(":", 1)
+    assert jobs_user == "dlc-jobs" and jobs_password != password
+    make_user = urllib.request.Request(
+        f"{r.tracking_url}/api/2.0/mlflow/users/create", method="POST",
+        data=json.dumps({"username": "intruder", "password": "p" * 16}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(
+            f"{jobs_user}:{jobs_password}".encode()).decode()})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(make_user, timeout=10)
+    assert refused.value.code == 403
+    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_admin_auth"
+                        ).stdout.split() == ["600", "root", "root"]
+    assert emulated.ssh("node-1", "sudo", "cat", "/etc/dlcluster/tracking_admin_auth").stdout.strip() == \
+        f"{user}:{password}"
     # the server runs as its own account: Ray's (every job's) cannot read its database password, nor
     # write its artifacts, nor signal it
     pid = emulated.ssh("node-1", "systemctl", "show", "-p", "MainPID", "--value", "dlc-mlflow").stdout.strip()

@@ -691,7 +691,7 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
     ini = env.get_template("mlflow-auth.ini.j2").render(**head)
     assert "admin_username = dlc" in ini and "admin_password = pw" in ini
     assert "database_uri = postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
-    assert "default_permission = NO_PERMISSIONS" in ini
+    assert "default_permission = EDIT" in ini  # the jobs' account: log and register, not delete or administer
 
 
 # ---- package repositories' signing keys, against their pins (ansible/filter_plugins/dlc_keys.py)

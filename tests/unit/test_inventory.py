@@ -86,6 +86,8 @@ BAD = [
      "dlc_ray_user is 'Ray Svc': an account name is lower case letters"),
     ("tracking-runs-as-ray", on(VARS, "    dlc_ray_user: ray\n    tracking_service_user: ray\n"),
      "tracking_service_user is ray, Ray's account (dlc_ray_user): the run history needs an account"),
+    ("tracking-jobs-are-admin", on(VARS, "    dlc_tracking_user: ops\n    dlc_tracking_jobs_user: ops\n"),
+     "dlc_tracking_jobs_user is ops, the run history's administrator (dlc_tracking_user)"),
     ("tracking-account-injects", on(VARS, "    tracking_service_user: \"x; id\"\n"),
      "tracking_service_user is 'x; id': an account name is lower case letters"),
     # the firewall's network: a network, not all of IPv4, holding every node
