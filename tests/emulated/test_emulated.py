@@ -1055,6 +1055,7 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         stopped.communicate(timeout=120)
     assert stopped.returncode != 0
     old = emulated.token()
+    jobs_old = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth").stdout.strip()
     stale = operator(emulated, tmp_path, "stale", 8280)  # a second operator with the old token
     folder = Path(stale["DLC_CONFIG"]) / "clusters/emulated"
     folder.mkdir(parents=True)
@@ -1079,6 +1080,20 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert emulated.api("/api/jobs/", old)[0] in (401, 403) and emulated.api("/api/jobs/", new)[0] == 200
     for node in NODES:
         assert emulated.ssh(node, "sudo", "cat", "/etc/dlcluster/ray_token").stdout.strip() == new
+    # the jobs' run-history password (every node holds it) renewed with it: the old one refused
+    jobs_new = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth").stdout.strip()
+    assert jobs_new != jobs_old and jobs_new.startswith("dlc-jobs:")
+    assert jobs_new.split(":")[1] not in again.stdout + again.stderr
+    tracking_url = record.load(emulated.config / record.RECORD).tracking_url
+    for creds, code in ((jobs_old, 401), (jobs_new, 200)):
+        basic = base64.b64encode(creds.encode()).decode()
+        ask = urllib.request.Request(f"{tracking_url}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers={"Authorization": f"Basic {basic}"})
+        try:
+            got = urllib.request.urlopen(ask, timeout=10).status
+        except urllib.error.HTTPError as e:
+            got = e.code
+        assert got == code, (creds.split(":")[0], got)
     # the operator who still has the old token: one line, nothing changed; attach fetches the new one
     refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
     last = refused.stderr.strip().splitlines()[-1]
