@@ -251,16 +251,17 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
         if not NAME.fullmatch(str(host)):
             out.append(f"{host!r}: a server's name in the inventory goes into its certificate, /etc/hosts "
                        f"and the ssh config: use letters, digits, . _ - (its address goes in ansible_host)")
-    ray_user = (cluster or {}).get("dlc_ray_user")
+    resolved = {k: (cluster or {}).get(k)
+                for k in ("dlc_ray_user", "dlc_tracking_user", "dlc_tracking_jobs_user")}
     for host in nodes:
         hv = hostvars[host]
         out.extend(host_problems(host, hv))
-        admin, jobs = _value(hv, "dlc_tracking_user"), _value(hv, "dlc_tracking_jobs_user")
-        if admin is not None and admin == jobs:
+        # as the play resolved them (the roles' defaults too), else as the inventory sets them
+        ray, admin, jobs = (str(v) if v is not None else _value(hv, k) for k, v in resolved.items())
+        if admin is not None and admin == jobs:  # the role would set the administrator's password
             out.append(f"{host}: dlc_tracking_jobs_user is {jobs}, the run history's administrator "
                        f"(dlc_tracking_user): the jobs need an account of their own, which every node "
                        f"holds and which may not administer the run history: set another name")
-        ray = ray_user if ray_user is not None else _value(hv, "dlc_ray_user")
         if ray is not None and _value(hv, "tracking_service_user") == str(ray):
             out.append(f"{host}: tracking_service_user is {ray}, Ray's account (dlc_ray_user): the run "
                        f"history needs an account of its own, so that jobs cannot read its database "

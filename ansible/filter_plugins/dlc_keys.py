@@ -94,19 +94,19 @@ def signing_key_problem(text: str, url: str, pinned: list, host: str, variable: 
     pins = [_normal(p) for p in (pinned or [])]
     if not pins:
         return (f"{host}: {variable} is empty: pin the fingerprint of the key at {url} (gpg --show-keys "
-                f"on a copy you trust), then run again (nothing was changed on {host})")
+                f"on a copy you trust), then run again (the key was not kept: apt trusts nothing from it)")
     try:
         found = openpgp_fingerprints(text or "")
     except (ValueError, IndexError) as e:
         return (f"{host}: {url} did not send a readable OpenPGP key ({e}): a proxy or mirror in between? "
-                f"Nothing was trusted or changed on {host}")
+                f"Nothing was kept: apt trusts nothing from it")
     strangers = [f for f in found if f not in pins]
     if found and not strangers:
         return ""
     return (f"{host}: the signing key from {url} has fingerprint {', '.join(strangers or ['none'])}, not one "
             f"pinned in {variable} ({', '.join(pins)}): something in between sent its own key, or the "
             f"repository rotated its key; check the new one where the vendor publishes it and set "
-            f"{variable}, then run again (nothing was trusted or changed on {host})")
+            f"{variable}, then run again (the key was not kept: apt trusts nothing from it)")
 
 
 class FilterModule:

@@ -201,6 +201,19 @@ def test_the_cluster_name_and_config_folder_are_one_word(tmp_path, cluster, expe
     assert len(found) == 1 and found[0].startswith(expect), found
 
 
+def test_the_jobs_given_the_administrators_default_name_are_refused(tmp_path):
+    """The administrator's name left to its default (`dlc`, a role default the play resolves) and the
+    jobs' set to it: the role would set the administrator's password to the jobs'."""
+    inv = parsed(tmp_path, on(VARS, "    dlc_tracking_jobs_user: dlc\n")(EXAMPLE))
+    nodes = [*inv["ray_head"]["hosts"], *inv["ray_workers"]["hosts"]]
+    resolved = {"dlc_tracking_user": "dlc", "dlc_tracking_jobs_user": "dlc", "dlc_ray_user": "ray"}
+    found = dlc_inventory.inventory_problems(nodes, inv["_meta"]["hostvars"], inv["bastions"]["hosts"][0],
+                                             resolved)
+    assert len(found) == 1, found
+    assert "dlc_tracking_jobs_user is dlc, the run history's administrator" in found[0], found
+    assert problems(inv) == []  # the inventory alone does not say what the administrator is called
+
+
 def test_json_in_extra_args_and_a_firewall_network_that_holds_every_node_pass(tmp_path):
     text = on(VARS, "    ray_start_extra_args: [\"--resources\", '{\"nvme\": 1, \"a_b\": 2}']\n"
                     "    firewall_private_cidr: 10.0.0.0/24\n")(EXAMPLE)
