@@ -1,4 +1,5 @@
-# The front door: every target is one line of help (`make help`) and one script.
+# The front door: every target is one line of help (`make help`) and one script; the operator's
+# targets call one command, `python -m dlcluster <command>` (dlcluster/cli.py; --help on each).
 # Variables a user may set (defaults in ?= below; README lists them all). Versions and default
 # paths are versions.env's, the one place for each.
 include versions.env
@@ -42,9 +43,9 @@ TEST_LANES      ?= lint,unit,gpu,image,cluster,emulated
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
 ANSIBLE_ARGS    ?=
-# extra flags for make smoke (ray/smoke.py --help), e.g. --only nodes,allreduce --max-mib 64
+# extra flags for make smoke (dlcluster smoke --help), e.g. --only nodes,allreduce --max-mib 64
 SMOKE_ARGS      ?=
-# extra flags for make doctor (python -m trainkit.doctor --help), e.g. --min-free-gb 10
+# extra flags for make doctor (dlcluster doctor --help), e.g. --min-free-gb 10
 DOCTOR_ARGS     ?=
 # make doctor QUARANTINE=1: take each worker with a finding out of Ray; make release NODE=...: back;
 # make remove-node NODE=...: the worker taken out of the cluster
@@ -76,46 +77,46 @@ lock: ## after changing a pin in pyproject.toml: requirements.lock and docker/tf
 	@scripts/lock.sh
 
 cluster-up: setup ## INVENTORY set: provision its servers through the bastion, start Ray, open the tunnel; else a local cluster
-	@scripts/cluster.sh up
+	@$(PY) -m dlcluster up
 
 cluster-status: setup ## each node's Ray service and the nodes and resources the head sees
-	@scripts/cluster.sh status
+	@$(PY) -m dlcluster status
 
 token: setup ## print the current cluster's Ray token, for the dashboard's sign-in dialog (to the terminal only)
-	@$(PY) -m trainkit.record token
+	@$(PY) -m dlcluster token
 
 grafana-password: setup ## print the current cluster's Grafana admin password, for its sign-in page (to the terminal only)
-	@$(PY) -m trainkit.record grafana-password
+	@$(PY) -m dlcluster grafana-password
 
 tracking-password: setup ## print the run history's URL, user and password, for its sign-in (to the terminal only)
-	@$(PY) -m trainkit.record tracking-password
+	@$(PY) -m dlcluster tracking-password
 
 runs: setup ## the last runs from the cluster's MLflow server (run, job, commit, epochs, validation, restarts, model, state); RUN=name: its metrics per epoch
-	@$(PY) -m trainkit.runs $(if $(RUN),--run $(RUN))
+	@$(PY) -m dlcluster runs $(if $(RUN),--run $(RUN))
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
-	@scripts/cluster.sh down
+	@$(PY) -m dlcluster down
 
 attach: setup ## INVENTORY set: use a running cluster from this machine (its token from the head, record, tunnel); changes no server
-	@scripts/cluster.sh attach
+	@$(PY) -m dlcluster attach
 
 rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
-	@scripts/cluster.sh rotate-token
+	@$(PY) -m dlcluster rotate-token
 
 remove-node: setup ## INVENTORY set: take worker NODE out (drained in Ray, its Ray stopped and disabled, out of every list and the record)
-	@NODE=$(NODE) scripts/cluster.sh remove-node
+	@NODE=$(NODE) $(PY) -m dlcluster remove-node
 
 upgrade: setup ## INVENTORY set: roll a new image, environment or setting onto the running cluster, one worker at a time (drained, restarted, checked, rolled back on failure), the head last
-	@SMOKE_ARGS="$(SMOKE_ARGS)" scripts/cluster.sh upgrade
+	@SMOKE_ARGS="$(SMOKE_ARGS)" $(PY) -m dlcluster upgrade
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
-	@ray/submit.sh $(JOB) $(ARGS)
+	@$(PY) -m dlcluster submit $(JOB) $(ARGS)
 
 resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, flags, --name), to go on from its last checkpoint after its driver was lost
-	@ray/submit.sh --resume "$$RUN"
+	@$(PY) -m dlcluster resume "$$RUN"
 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
-	@ray/submit.sh ddp_autoencoder $(ARGS)
+	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
 test: setup ## every tier, cheapest first (TEST_LANES: lint, unit, GPU, image, local cluster, emulated), a table, then `N passed, N failed, N skipped`
 	@$(PY) scripts/test_suite.py $(TEST_LANES)
@@ -139,23 +140,23 @@ lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh
 
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the three trainers, ProxyJump
-	@$(PY) ray/smoke.py $(SMOKE_ARGS)
+	@$(PY) -m dlcluster smoke $(SMOKE_ARGS)
 
 baseline: setup ## record the cluster's performance baseline (no job running): per node step time and storage, per link iperf3, all-reduce busbw
-	@$(PY) ray/smoke.py --record-baseline $(SMOKE_ARGS)
+	@$(PY) -m dlcluster baseline $(SMOKE_ARGS)
 
 doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem (QUARANTINE=1: take bad workers out of Ray)
-	@$(PY) -m trainkit.doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
+	@$(PY) -m dlcluster doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
 
 release: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
 	@$(if $(NODE),,echo "release: error: name the node: make release NODE=<name in the cluster record>" >&2; exit 2)
-	@$(PY) -m trainkit.doctor --release $(NODE)
+	@$(PY) -m dlcluster release $(NODE)
 
 bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
-	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench.py $(ARGS)
+	@$(PY) -m dlcluster bench $(ARGS)
 
 bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the current cluster (its record)
-	@PYTHONPATH=$(CURDIR) $(PY) tests/bench/bench_autoencoder.py $(ARGS)
+	@$(PY) -m dlcluster bench-ae $(ARGS)
 
 clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
 	rm -f $(VENV)
@@ -191,7 +192,7 @@ image-test: setup ## build the CPU image (layer cache reused), test inside it; c
 test-image: image-test ## the same as image-test (the test-* name of the tier)
 
 image-report: ## the image's size per layer group and its build times, cold and warm
-	@$(PYTHON) docker/report.py
+	@$(PYTHON) -m dlcluster image-report
 
 # ---- the emulated cluster (tests/emulated/; docs/emulated.md)
 emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)

@@ -14,9 +14,9 @@ from conftest import REPO
 
 
 def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
-    env = {**cluster.env, "PYTHONPATH": str(REPO), "DLC_HOME": str(tmp_path)}
+    env = {**cluster.env, "DLC_HOME": str(tmp_path)}
     env.pop("DASHBOARD_PORT", None)  # the record says where the job API is
-    cmd = [sys.executable, "tests/bench/bench.py", "--jobs", "ddp_autoencoder", "--repeats", "1",
+    cmd = [sys.executable, "-m", "dlcluster", "bench", "--jobs", "ddp_autoencoder", "--repeats", "1",
            "--epochs", "2", "--limit", "300", "--folder-scale", "300", "--strategy-epochs", "1",
            "--lm-epochs", "1", "--lm-size", "tiny", "--lm-limit", "12000",
            "--strategy-runs", "ps:slowed",

@@ -7,18 +7,14 @@ cluster."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "bench"))
-import bench  # noqa: E402  (tests/bench/bench.py)
-import fsdp  # noqa: E402
-import strategies  # noqa: E402
+from dlcluster.bench import bench, fsdp, strategies
+from trainkit.errors import UserError
 
-from trainkit.errors import UserError  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 RESULTS = REPO / "tests" / "bench" / "results"
 PNG = b"\x89PNG\r\n\x1a\n"

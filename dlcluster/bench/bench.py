@@ -13,8 +13,8 @@ the last epoch's training pass (epochs 2 and on; epoch 1 warms up), its validati
 verify, and the whole run's wall time. Printed: min/median/max per launcher and the ratios of
 the medians (Ray / plain); written: a JSON file and a PNG plot.
 
-    python tests/bench/bench.py [--jobs ddp_autoencoder,...] [--repeats 3] [--epochs 2] [--out DIR]
-                                [--mnist-train 60000] [--tf-per-class 512] [--folder-scale 100000]
+    dlcluster bench [--jobs ddp_autoencoder,...] [--repeats 3] [--epochs 2] [--out DIR]
+                    [--mnist-train 60000] [--tf-per-class 512] [--folder-scale 100000]
 
 Epochs are long enough to judge a per-epoch ratio: Horovod trains on an MNIST-sized set (the
 built-in digits, shifted, to --mnist-train images, written once under $DLC_HOME), TensorFlow on
@@ -39,9 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import fsdp  # tests/bench/fsdp.py, beside this file
-import strategies  # tests/bench/strategies.py, beside this file
-
+from dlcluster.bench import fsdp, strategies
 from trainkit import launch, plots, record
 from trainkit.errors import UserError, run_main
 

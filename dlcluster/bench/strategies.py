@@ -3,7 +3,7 @@ ParameterServerStrategy run (asynchronous: each worker pushes its gradients to t
 and takes its next batch without waiting) against MultiWorkerMirroredStrategy (synchronous: every
 step waits for the slowest worker), on the same data and 2 workers on Ray (plus 1 parameter server
 and a chief), each with both workers at full speed and with worker 1's CPU share cut
-(tests/bench/throttle.py, beside the run). Reported per run from its manifest: the last epoch's
+(dlcluster/bench/throttle.py, beside the run). Reported per run from its manifest: the last epoch's
 training seconds and the validation accuracy after the same number of epochs; per strategy, the
 epoch's slowed / full-speed ratio."""
 
@@ -31,7 +31,7 @@ def run(strategy: str, share: float | None, args: list[str], submit: Callable, w
                       "--storage-path", str(work / "runs"), "--output", str(out)])
     throttle = None
     if share:  # beside the run: it waits for the worker to start, and ends with it
-        (throttle,) = submit(["tests/bench/throttle.py", *SLOWED[strategy], "--share", str(share)])
+        (throttle,) = submit(["dlcluster/bench/throttle.py", *SLOWED[strategy], "--share", str(share)])
     log = proc.communicate()[0]
     wall = time.time() - t0
     held = throttle.communicate(timeout=300)[0] if throttle else ""

@@ -6,8 +6,8 @@ worker 1), then a task on that worker's node stops and continues the process in 
 SIGCONT every --period seconds, as cpulimit does) so that it runs --share of the time, until the
 worker ends. The process is always left running.
 
-    python tests/bench/throttle.py --class-name RayTrainWorker --share 0.5
-    python tests/bench/throttle.py --class-name Role --repr "worker 1" --share 0.5
+    python dlcluster/bench/throttle.py --class-name RayTrainWorker --share 0.5
+    python dlcluster/bench/throttle.py --class-name Role --repr "worker 1" --share 0.5
 """
 
 from __future__ import annotations

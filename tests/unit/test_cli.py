@@ -1,0 +1,98 @@
+"""The operator's one command (dlcluster/cli.py): every operator Make target calls it, its --help
+lists every command and says what each changes, and a command of another checkout refuses."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from dlcluster import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dlcluster(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dlcluster", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def recipes() -> dict[str, list[str]]:
+    """Each Make target's recipe lines."""
+    out, target = {}, None
+    for line in (REPO / "Makefile").read_text().splitlines():
+        if m := re.match(r"^([a-z][a-z-]*):", line):
+            target = m.group(1)
+            out[target] = []
+        elif line.startswith("\t") and target:
+            out[target].append(line.strip())
+    return out
+
+
+def test_every_make_target_that_runs_python_goes_through_the_one_command():
+    found = recipes()
+    assert {"cluster-up", "token", "bench", "test"} <= set(found), sorted(found)
+    python = [(t, line) for t, lines in found.items() for line in lines
+              if "$(PY)" in line or "$(PYTHON)" in line]
+    assert len(python) >= 20, python
+    # what may run Python besides the operator's command: the test tiers (pytest, the suite's runner)
+    stray = [(t, line) for t, line in python
+             if not re.search(r"\$\(PY(THON)?\) -m (dlcluster \S+|pytest )|\$\(PY\) scripts/test_suite\.py ",
+                              line)]
+    assert stray == [], stray
+    # and each command is the one its Make target calls, under the name the help gives
+    for name, command in cli.COMMANDS.items():
+        lines = found[command.target]
+        assert any(re.search(rf"-m dlcluster {re.escape(name)}( |$)", line) for line in lines), (name, lines)
+    for t, line in python:
+        if m := re.search(r"-m dlcluster (\S+)", line):
+            assert m.group(1) in cli.COMMANDS, (t, line)
+
+
+def test_help_lists_every_command_with_what_it_changes():
+    proc = dlcluster("--help")
+    assert proc.returncode == 0, proc.stderr
+    rows = "".join(proc.stdout.split())  # argparse wraps the lines (and breaks "all-reduce" after its -)
+    for name, command in cli.COMMANDS.items():
+        assert name + "".join(command.changes.split()) in rows, name
+    for name, command in cli.COMMANDS.items():
+        proc = dlcluster(name, "--help")
+        first = proc.stdout.splitlines()[0]
+        want = f"dlcluster {name} (make {command.target}): {command.changes}"
+        assert proc.returncode == 0 and first == want, (name, proc.stdout[-500:], proc.stderr[-1500:])
+        if command.flags:  # then the program's own flags, from its parser
+            assert "usage: " in proc.stdout and "--help" in proc.stdout, (name, proc.stdout[-500:])
+
+
+def test_an_unknown_command_is_one_line_naming_the_known_ones():
+    proc = dlcluster("tokn")
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("usage:")]
+    assert "invalid choice: 'tokn'" in line and "'token'" in line and "'submit'" in line, line
+
+
+def test_a_command_of_another_checkout_refuses_before_it_runs(tmp_path):
+    """The venv's dlcluster may be another checkout's: run from this one, it says so and does nothing."""
+    (tmp_path / "versions.env").write_text("")
+    (tmp_path / "ansible").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DLC_CONFIG": str(tmp_path / "config")}
+    proc = dlcluster("up", cwd=tmp_path, env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"dlcluster: this command is the checkout {REPO}'s, run from the checkout "
+                                   f"{tmp_path}: run `make setup` there, or `.venv/bin/python -m dlcluster` "
+                                   "from it")
+    assert not (tmp_path / "config").exists()
+
+
+def test_a_command_runs_its_program_with_the_flags_given(tmp_path):
+    """Flags reach the program behind the command untouched, and its refusal is its own line."""
+    env = {**os.environ, "DLC_CONFIG": str(tmp_path)}
+    proc = dlcluster("smoke", "--only", "trainerz", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "smoke: error: --only 'trainerz': unknown step(s) trainerz; "
+        "use some of nodes,allreduce,perf,trainers,proxyjump")
+    proc = dlcluster("submit", "nope", env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("submit: error: no jobs/nope.py; JOB is one of: ")
