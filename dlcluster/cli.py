@@ -88,7 +88,7 @@ COMMANDS: dict[str, Command] = {
                         "1, 2 x batch 64, 128", "bench-ae", ("module", "dlcluster.bench.bench_autoencoder"),
                         flags=True),
     "image-report": Command("changes nothing: the image's size per layer group and its build times",
-                            "image-report", ("python", "docker/report.py")),
+                            "image-report", ("module", "dlcluster.image_report")),
 }
 
 

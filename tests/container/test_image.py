@@ -250,7 +250,7 @@ def test_autoencoder_tiny_epoch(image, tmp_path):
 
 
 def test_image_report(image, image_build):
-    proc = sh(sys.executable, "docker/report.py", env={"IMAGE": IMAGE})
+    proc = sh(sys.executable, "-m", "dlcluster", "image-report", env={"IMAGE": IMAGE})
     assert proc.returncode == 0
     sizes = dict(re.findall(r"^(.+?)\s+([0-9.]+ [MG]B)$", proc.stdout, re.M))
     groups = ["OS packages + Python venv", "torch + torchvision (+ CUDA wheels)",

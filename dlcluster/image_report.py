@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainkit.versions import cache_dir  # noqa: E402
+from trainkit.versions import cache_dir
 
 DOCKER = os.environ.get("DOCKER", "/usr/bin/docker")
 IMAGE = os.environ.get("IMAGE") or "dlcluster:cpu"
