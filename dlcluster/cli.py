@@ -64,7 +64,7 @@ COMMANDS: dict[str, Command] = {
                                  "terminal", "tracking-password",
                                  ("module", "trainkit.record", "tracking-password")),
     "runs": Command("changes nothing: the last runs from the cluster's run history (--run NAME: its "
-                    "metrics per epoch)", "runs", ("module", "trainkit.runs"), flags=True),
+                    "metrics per epoch)", "runs", ("module", "dlcluster.runs"), flags=True),
     "submit": Command("starts a job: `ray job submit` of jobs/JOB.py and its flags to the current "
                       "cluster, uploading what git tracks and UPLOAD; the submission is kept for resume",
                       "submit", ("script", "ray/submit.sh")),
@@ -77,10 +77,10 @@ COMMANDS: dict[str, Command] = {
                         "and storage, per link iperf3, all-reduce busbw", "baseline",
                         ("python", "ray/smoke.py", "--record-baseline"), flags=True),
     "doctor": Command("changes nothing, unless --quarantine: then each worker with a finding is taken out "
-                      "of Ray (a quarantine file, its Ray stopped)", "doctor", ("module", "trainkit.doctor"),
+                      "of Ray (a quarantine file, its Ray stopped)", "doctor", ("module", "dlcluster.doctor"),
                       flags=True),
     "release": Command("puts the quarantined node NODE back into Ray (its quarantine file removed, Ray "
-                       "started)", "release", ("module", "trainkit.doctor", "--release")),
+                       "started)", "release", ("module", "dlcluster.doctor", "--release")),
     "bench": Command("runs jobs on the current cluster, changes no setting: Ray Train against each job's "
                      "own launcher; writes bench.json and plots under --out", "bench",
                      ("module", "dlcluster.bench.bench"), flags=True),

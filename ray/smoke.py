@@ -14,7 +14,7 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
   perf       (servers from an inventory, with a baseline) each node's step time on a fixed batch
              and its shared storage's throughput, each pair's link (iperf3 through the bastion),
              the allreduce step's bus bandwidth, against the cluster's baseline
-             (trainkit/baseline.py): one line per figure past its threshold, a table, a plot;
+             (dlcluster/baseline.py): one line per figure past its threshold, a table, a plot;
              --record-baseline records one instead (make baseline: allreduce and perf only)
   trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py and jobs/tf_cnn.py, one tiny epoch with
              one worker per node; each must succeed and leave an ONNX model that a check job on the
@@ -72,7 +72,8 @@ from smoke_suite.lib import (  # noqa: E402
 )
 from smoke_suite.report import SmokeReport  # noqa: E402
 
-from trainkit import baseline, record  # noqa: E402
+from dlcluster import baseline  # noqa: E402
+from trainkit import record  # noqa: E402
 from trainkit.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 SUITE = HERE / "smoke_suite"

@@ -2,8 +2,8 @@
 # make submit / make demo: `ray job submit` of jobs/JOB.py to the current cluster: the README's
 # line, plus the checkout's commit as data (DLC_SUBMIT_COMMIT), with the job API address and token
 # from the cluster record ($DLC_CONFIG/cluster.json, trainkit/record.py). What travels is what git
-# tracks, and the files UPLOAD names, staged in a private folder (trainkit/upload.py): nothing else.
-# Each submission is kept ($DLC_CONFIG/clusters/<cluster>/runs/<run>.json, trainkit/submissions.py)
+# tracks, and the files UPLOAD names, staged in a private folder (dlcluster/upload.py): nothing else.
+# Each submission is kept ($DLC_CONFIG/clusters/<cluster>/runs/<run>.json, dlcluster/submissions.py)
 # with its run name (--name; one is chosen here when the flags have none), so that
 # `make resume RUN=...` submits the same job and flags again after the head lost its driver.
 #   usage: [UPLOAD="data/x.csv ..."] ray/submit.sh JOB [job flags...]
@@ -15,7 +15,7 @@ die() { echo "submit: error: $*" >&2; exit 2; }
 [ $# -ge 1 ] || die "usage: $0 JOB [flags], or $0 --resume RUN"
 if [ "$1" = --resume ]; then
   { [ $# -eq 2 ] && [ -n "$2" ]; } || die "usage: $0 --resume RUN (make resume RUN=<the run's name>)"
-  mapfile -d '' -t saved < <(set +e; .venv/bin/python -m trainkit.submissions resume "$2"; printf '\0%s' "$?")
+  mapfile -d '' -t saved < <(set +e; .venv/bin/python -m dlcluster.submissions resume "$2"; printf '\0%s' "$?")
   [ "${saved[-1]}" = 0 ] || exit 2   # one line said why
   unset 'saved[-1]'
   resumed=$2; job=${saved[0]}; set -- "${saved[@]:1}"
@@ -46,9 +46,9 @@ runtime_env=(--runtime-env-json "$env_json")
 stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
 trap 'rm -rf "$stage"' EXIT
 read -ra named <<<"${UPLOAD:-}"
-.venv/bin/python -m trainkit.upload "$stage" "${named[@]}" || exit 2
+.venv/bin/python -m dlcluster.upload "$stage" "${named[@]}" || exit 2
 # kept under the run's name (--name, added when the flags have none): its submission id and flags
-mapfile -d '' -t kept < <(set +e; .venv/bin/python -m trainkit.submissions keep "${commit:-unknown}" "$job" "$@"
+mapfile -d '' -t kept < <(set +e; .venv/bin/python -m dlcluster.submissions keep "${commit:-unknown}" "$job" "$@"
                           printf '\0%s' "$?")
 [ "${kept[-1]}" = 0 ] || exit 2   # one line said why
 unset 'kept[-1]'

@@ -39,8 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from dlcluster import plots
 from dlcluster.bench import fsdp, strategies
-from trainkit import launch, plots, record
+from trainkit import launch, record
 from trainkit.errors import UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainkit import plots
+from dlcluster import plots
 from trainkit.errors import UserError
 
 STRATEGIES = {"fsdp": "FSDP2 (sharded)", "ddp": "DDP (replicas)"}

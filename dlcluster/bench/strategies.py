@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainkit import plots
+from dlcluster import plots
 from trainkit.errors import UserError
 
 STRATEGIES = {"multiworker": "MultiWorkerMirrored", "ps": "ParameterServer"}

@@ -27,7 +27,8 @@ from urllib.parse import urlparse
 import pytest
 from smoke_checks import MARKER
 
-from trainkit import baseline, record
+from dlcluster import baseline
+from trainkit import record
 from trainkit.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dlcluster import baseline, doctor, plots
 from smoke_suite.lib import (
     REPO,
     TRAINERS,
@@ -25,7 +26,6 @@ from smoke_suite.lib import (
     proxyjump_skip_reason,
     trainer_args,
 )
-from trainkit import baseline, doctor, plots
 
 
 def test_nodes(ctx: Context, details: dict):

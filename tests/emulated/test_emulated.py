@@ -52,9 +52,10 @@ from conftest import (
     run,
 )
 
+from dlcluster import baseline
 from tests.browser import LAUNCH_ARGS, chromium, mlflow_chart_points, signed_in
 from tests.promql import wait_for_query
-from trainkit import baseline, record, tracking
+from trainkit import record, tracking
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -1708,7 +1709,7 @@ def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tm
 
 def doctor(emulated) -> tuple[subprocess.CompletedProcess, dict, list[str]]:
     """make doctor on the cluster: its run, its report and its finding lines."""
-    proc = run([str(BIN / "python"), "-m", "trainkit.doctor"], emulated.env, timeout=300)
+    proc = run([str(BIN / "python"), "-m", "dlcluster.doctor"], emulated.env, timeout=300)
     report = json.loads((emulated.cluster_dir / "doctor.json").read_text())
     lines = [line for line in proc.stdout.splitlines()
              if re.match(r"doctor: node-\d: ", line) and not re.search(r" answered \([\d.]+ s\)$", line)]
@@ -1860,7 +1861,7 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     fault = "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
     emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth9')}' /etc/dlcluster/ray.env").check_returncode()
     try:
-        proc = run([str(BIN / "python"), "-m", "trainkit.doctor", "--quarantine"], emulated.env, timeout=300)
+        proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--quarantine"], emulated.env, timeout=300)
         print(proc.stdout[-3000:], proc.stderr[-2000:])
         assert proc.returncode == 1
         assert ("doctor: node-2: quarantined: out of Ray, its Ray stopped and kept down; make release "
@@ -1883,12 +1884,12 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
         assert sorted(published(emulated, name)["replica_hosts"]) == ["node-1", "node-3"]
     finally:  # fixed and released also when the test failed: node-2 is not left out of Ray
         emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth0')}' /etc/dlcluster/ray.env")
-        proc = run([str(BIN / "python"), "-m", "trainkit.doctor", "--release", "node-2"], emulated.env,
+        proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
                    timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == (
         "doctor: node-2 released: back in Ray (3 of 3 nodes alive)"), proc.stdout + proc.stderr
     pid = emulated.ssh("node-2", "systemctl show -p MainPID --value dlc-ray").stdout.strip()
-    again = run([str(BIN / "python"), "-m", "trainkit.doctor", "--release", "node-2"], emulated.env,
+    again = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
                 timeout=300)  # not quarantined any more: one line, its Ray untouched
     assert again.returncode == 2 and again.stderr == (
         "doctor: error: node-2: it is not quarantined; nothing changed (make doctor lists "
@@ -1934,7 +1935,7 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
             cpus = int(before) / 1e9 if int(before) else os.cpu_count()
             run(["docker", "update", "--cpus", str(cpus), "dlc-emu-node-2"], emulated.env, check=True)
         finally:  # released also when the test failed: node-2 is not left out of Ray
-            proc = run([str(BIN / "python"), "-m", "trainkit.doctor", "--release", "node-2"], emulated.env,
+            proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
                        timeout=300)
     assert proc.returncode == 0 and "back in Ray (3 of 3 nodes alive)" in proc.stdout, \
         proc.stdout + proc.stderr

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainkit import baseline, plots, record
+from dlcluster import baseline, plots
+from trainkit import record
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "ray"))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainkit import doctor, doctor_probe, record
+from dlcluster import doctor, doctor_probe
+from trainkit import record
 
 RECORDED = json.loads((Path(__file__).parent / "recorded/doctor_emulated.json").read_text())
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def test_a_node_that_does_not_answer_and_free_space():
 def test_a_local_cluster_is_one_line(tmp_path):
     local = {**RECORDED["record"], "kind": "local", "name": "local", "ssh_config": None, "bastion": None}
     (tmp_path / record.RECORD).write_text(json.dumps(local))
-    proc = subprocess.run([sys.executable, "-m", "trainkit.doctor"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dlcluster", "doctor"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "DLC_CONFIG": str(tmp_path)}, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("doctor: error: the current cluster 'local' is a local one: make doctor "

@@ -12,9 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "trainkit"
-# trainkit's modules an operator runs on the control host, never a node: the harness the jobs
-# import must not reach them
-OPERATOR_TOOLS = {"baseline", "doctor", "doctor_probe", "runs", "submissions", "upload", "plots"}
+# the operator's tools that lived in trainkit until they moved to the operator's package, dlcluster/
+MOVED_OUT = {"baseline", "doctor", "doctor_probe", "runs", "submissions", "upload", "plots"}
 
 # none since the contract (trainkit/contract.py, keras_base.py) left job.py and keras_loop.py
 ALLOWED_IN_CYCLES = 0
@@ -66,14 +65,33 @@ def test_the_import_cycle_among_the_harness_modules_does_not_grow():
     assert in_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {"a", "b"}
 
 
-def test_the_harness_never_reaches_an_operators_tool():
+def operator_imports(path: Path) -> set[str]:
+    """What `path` imports of the operator's package (dlcluster), at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found |= {n for n in names if n == "dlcluster" or n.startswith("dlcluster.")}
+    return found
+
+
+def test_the_harness_never_imports_the_operators_package(tmp_path):
+    """trainkit/ (what the jobs import on the nodes, and the image installs) and jobs/ import nothing
+    of dlcluster/ (the control host's tools), which the image does not hold."""
     edges = graph()
     jobs = set()
     for job in (REPO / "jobs").glob("*.py"):
         jobs |= imports(job)
     reached = jobs | reach(edges, jobs)
     assert {"job", "flags", "torch_loop"} <= reached, sorted(reached)  # the walk finds the harness
-    assert not reached & OPERATOR_TOOLS, sorted(reached & OPERATOR_TOOLS)
+    assert not {p.stem for p in HARNESS.glob("*.py")} & MOVED_OUT
+    found = {str(p.relative_to(REPO)): operator_imports(p)
+             for p in [*HARNESS.glob("*.py"), *(REPO / "jobs").glob("*.py")]}
+    assert {p: names for p, names in found.items() if names} == {}
+    # the walk sees such an import where there is one, in a function too
+    (tmp_path / "m.py").write_text("import os\ndef f():\n    from dlcluster import doctor\n"
+                                   "import dlcluster.cli\n")
+    assert operator_imports(tmp_path / "m.py") == {"dlcluster", "dlcluster.cli"}
 
 
 def test_path_tricks_outside_the_tests_do_not_grow():

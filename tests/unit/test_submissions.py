@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from test_record import remote
 
-from trainkit import record, submissions
+from dlcluster import submissions
+from trainkit import record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def test_each_submission_is_kept_under_the_clusters_folder_with_its_own_id(confi
 
 
 def resume(config: Path, run: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainkit.submissions", "resume", run], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "dlcluster.submissions", "resume", run], cwd=REPO,
                           env={**os.environ, "DLC_CONFIG": str(config)}, capture_output=True, text=True)
 
 

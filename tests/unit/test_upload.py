@@ -97,10 +97,10 @@ def test_the_package_a_job_ran_is_named_from_its_job_config(monkeypatch):
 
 
 def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path):
-    """`make submit`'s upload (trainkit/upload.py, then Ray's packaging of that folder with the
+    """`make submit`'s upload (dlcluster/upload.py, then Ray's packaging of that folder with the
     ignore rules off, as ray/submit.sh runs it): the tracked files as they are in the working
     tree, the named ones, the commit; no secret whatever its name, no file never added."""
-    from trainkit import upload
+    from dlcluster import upload
 
     clone = tmp_path / "checkout"
     _git("clone", "-q", str(REPO), str(clone), cwd=tmp_path)
@@ -142,7 +142,7 @@ def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path)
     (["/etc/hostname"], "UPLOAD names /etc/hostname, which is outside the checkout"),
 ])
 def test_upload_of_a_missing_or_outside_file_is_one_line_and_stages_nothing(tmp_path, named, expect):
-    from trainkit import upload
+    from dlcluster import upload
     from trainkit.errors import UserError
 
     stage = tmp_path / "stage"
@@ -174,7 +174,7 @@ def _small_repo(tmp_path: Path) -> Path:
 def test_a_tracked_link_out_of_what_travels_is_one_line_and_stages_nothing(tmp_path, link, expect):
     """Ray's packaging follows links: a tracked link to a file outside the checkout, or to one git
     does not track, would upload that file (security review N3)."""
-    from trainkit import upload
+    from dlcluster import upload
     from trainkit.errors import UserError
 
     repo = _small_repo(tmp_path)
@@ -195,7 +195,7 @@ def test_a_tracked_link_out_of_what_travels_is_one_line_and_stages_nothing(tmp_p
 def test_links_inside_travel_as_links_and_no_git_folder_or_submodule_travels(tmp_path):
     """A link to a tracked folder travels as a link within the upload; a submodule (its files are
     not git's) and an embedded clone's .git in a folder UPLOAD names stay here (N11, N2)."""
-    from trainkit import upload
+    from dlcluster import upload
 
     repo = _small_repo(tmp_path)
     sub = tmp_path / "sub"

@@ -4,13 +4,13 @@ A run whose driver was lost (the head's Ray restarted: every job's driver runs t
 --max-failures cannot bring a driver back) resumes by being submitted again with the same job,
 flags and --name: the harness restores its last checkpoint and trains the missing epochs.
 
-    python -m trainkit.submissions keep COMMIT JOB [FLAGS...]
+    python -m dlcluster.submissions keep COMMIT JOB [FLAGS...]
                                                             keep what is submitted next, under its
                                                             --name (one is added when the flags have
                                                             none); prints its submission id (RUN,
                                                             then RUN-2, ...) and the flags,
                                                             NUL-separated
-    python -m trainkit.submissions resume RUN              the job and its flags, NUL-separated; or
+    python -m dlcluster.submissions resume RUN              the job and its flags, NUL-separated; or
                                                             one line and exit 2 (an unknown run, one
                                                             still running or finished)
 

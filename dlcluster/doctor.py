@@ -1,11 +1,11 @@
 """make doctor: a bad node told from a bad job. Every node of the current cluster (its record) is
-asked at once, through the bastion, what trainkit/doctor_probe.py reads there; the answers are
+asked at once, through the bastion, what dlcluster/doctor_probe.py reads there; the answers are
 compared with the head's and with the record, and each problem is one line: the node, what is
 wrong, the fix. Exit 1 on any finding; the whole report is clusters/<name>/doctor.json.
 
-    python -m trainkit.doctor [--min-free-gb 2] [--max-clock-offset 1.0] [--quarantine]
-    python -m trainkit.doctor --node NODE   (one node's findings only: make upgrade's check)
-    python -m trainkit.doctor --release NODE
+    dlcluster doctor [--min-free-gb 2] [--max-clock-offset 1.0] [--quarantine]
+    dlcluster doctor --node NODE   (one node's findings only: make upgrade's check)
+    dlcluster doctor --release NODE
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from . import record
-from .errors import EXIT_USER_ERROR, UserError
+from trainkit import record
+from trainkit.errors import EXIT_USER_ERROR, UserError
 
 PROBE = Path(__file__).with_name("doctor_probe.py")
 REPORT = "doctor.json"

@@ -23,8 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import record
-from .doctor import Finding, ssh
+from dlcluster.doctor import Finding, ssh
+from trainkit import record
 
 FORMAT = "dlcluster-baseline/1"
 IPERF_PORT = 5201  # iperf3's own; the firewall lets the private network reach any port

@@ -1,8 +1,8 @@
 """`make runs`: the cluster's run history from its MLflow tracking server, in the terminal.
 
-    python -m trainkit.runs [--last N]     # the last runs: run, job, commit, epochs, final validation
+    dlcluster runs [--last N]     # the last runs: run, job, commit, epochs, final validation
                                            # metric, restarts, model sha256, state
-    python -m trainkit.runs --run NAME     # one run's metrics per epoch
+    dlcluster runs --run NAME     # one run's metrics per epoch
 
 The server and its credentials are found as the jobs find them (trainkit.tracking): --tracking,
 else DLC_TRACKING_URL, else the current cluster record.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import tracking
-from .errors import UserError, run_main
+from trainkit import tracking
+from trainkit.errors import UserError, run_main
 
 # per-epoch columns shown first, in this order; the job's own metrics follow
 FIRST = ("loss", "val_loss")

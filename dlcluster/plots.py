@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import versions
+from trainkit import versions
 
 REQUIREMENTS = Path(__file__).with_name("plot-requirements.txt")
 

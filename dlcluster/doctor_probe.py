@@ -1,5 +1,5 @@
 """What `make doctor` asks one node: run there as root (`sudo python3 -`, the system's Python, the
-standard library only), one JSON object on stdout. trainkit/doctor.py compares the nodes' answers.
+standard library only), one JSON object on stdout. dlcluster/doctor.py compares the nodes' answers.
 
     python3 - '{"do": "check", "runtime": "host", "ip": "10.0.0.11", "name": "node-1",
                 "storage": "/srv/dlcluster/runs", "marker": ".dlc-doctor-<id>", "gpus": 0}' < doctor_probe.py

@@ -3,7 +3,7 @@ working tree, the commit's name, and the files the user names (UPLOAD=...); noth
 `.env`, `.netrc`, cloud credentials and scripts that were never added stay on this machine
 whatever their names, where an ignore file can only list the names it thought of.
 
-    python -m trainkit.upload STAGE [PATH...]   # fills the empty folder STAGE, prints a summary
+    python -m dlcluster.upload STAGE [PATH...]   # fills the empty folder STAGE, prints a summary
 
 ray/submit.sh then runs `ray job submit --working-dir STAGE` with Ray's own ignore rules off
 (RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1, no .rayignore in STAGE): the folder is what travels.
@@ -98,7 +98,7 @@ def stage(repo: Path, into: Path, named: list[str] = ()) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m trainkit.upload STAGE [PATH...]", file=sys.stderr)
+        print("usage: python -m dlcluster.upload STAGE [PATH...]", file=sys.stderr)
         return 2
     repo = Path(__file__).resolve().parents[1]
     try:
