@@ -71,11 +71,11 @@ COMMANDS: dict[str, Command] = {
     "resume": Command("starts a job: run RUN submitted again as it first was (same job, flags, --name), "
                       "going on from its last checkpoint", "resume", ("script", "ray/submit.sh", "--resume")),
     "smoke": Command("runs short jobs, changes no setting: the nodes, all-reduce bandwidth, perf against "
-                     "the baseline, the trainers, the way in", "smoke", ("python", "ray/smoke.py"),
+                     "the baseline, the trainers, the way in", "smoke", ("module", "dlcluster.smoke.run"),
                      flags=True),
     "baseline": Command("writes the cluster's performance baseline (no job may run): per node step time "
                         "and storage, per link iperf3, all-reduce busbw", "baseline",
-                        ("python", "ray/smoke.py", "--record-baseline"), flags=True),
+                        ("module", "dlcluster.smoke.run", "--record-baseline"), flags=True),
     "doctor": Command("changes nothing, unless --quarantine: then each worker with a finding is taken out "
                       "of Ray (a quarantine file, its Ray stopped)", "doctor", ("module", "dlcluster.doctor"),
                       flags=True),

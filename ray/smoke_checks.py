@@ -1,4 +1,4 @@
-"""The cluster side of `make smoke`: small Ray jobs that ray/smoke.py submits and reads back.
+"""The cluster side of `make smoke`: small Ray jobs that dlcluster/smoke/run.py submits and reads back.
 
     python ray/smoke_checks.py nodes
     python ray/smoke_checks.py allreduce --num-workers N --sizes 1048576,4194304 [--use-gpu]
@@ -7,8 +7,9 @@
 
 Each prints exactly one machine-readable line, `SMOKE_JSON {...}`, that the controller parses
 from the job's logs (everything else in the logs is for people). They run as the job's driver
-(the head node), with the repository as the working dir, on the cluster's own Python; they import
-only the standard library at the top, so smoke.py can import `bandwidth` without Ray or torch.
+(the head node), with the repository as the working dir, on the cluster's own Python; at the top
+they import only the standard library and what both sides share (dlcluster/smoke/protocol.py,
+from the working dir).
 """
 
 from __future__ import annotations
@@ -23,28 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-MARKER = "SMOKE_JSON "
-MIB = 1 << 20
+from dlcluster.smoke.protocol import MARKER, MIB, bandwidth, iterations  # the working dir's
 
 
 def emit(payload: dict) -> None:
     """The one line the controller reads (printed last, flushed)."""
     print(MARKER + json.dumps(payload, sort_keys=True, default=str), flush=True)
-
-
-def bandwidth(nbytes: int, seconds: float, ranks: int) -> tuple[float, float]:
-    """nccl-tests' all-reduce figures in GB/s (1e9 bytes/s): algbw = bytes / time per op, and
-    busbw = algbw * 2(n-1)/n, the bus bandwidth a ring reaches (each byte crosses 2(n-1)/n links),
-    comparable across rank counts. One rank moves nothing: busbw 0."""
-    algbw = nbytes / seconds / 1e9
-    return algbw, algbw * 2 * (ranks - 1) / ranks
-
-
-def iterations(nbytes: int) -> tuple[int, int]:
-    """(warm-up, timed) iterations for a message size: 20 timed up to 4 MiB, fewer for bigger
-    messages (about 80 MiB moved per size), never fewer than 3."""
-    timed = max(3, min(20, round(20 * 4 * MIB / max(nbytes, 1))))
-    return (2 if nbytes <= 16 * MIB else 1), timed
 
 
 # ------------------------------------------------------------------ nodes

@@ -3,7 +3,7 @@
 #
 #   usage: scripts/cluster.sh up|status|down|attach|rotate-token|remove-node (NODE=...)|upgrade
 #
-# INVENTORY empty: the embedded local cluster on this machine (ray/local_cluster.py).
+# INVENTORY empty: the embedded local cluster on this machine (dlcluster/local_cluster.py).
 # INVENTORY set:   real (or emulated) servers through their bastion: the playbook
 #                  ansible/cluster-<action>.yml. Ansible's output goes to the terminal and to
 #                  $DLC_CONFIG/clusters/<inventory folder>/<action>.log; a failure ends with one
@@ -31,7 +31,7 @@ lock_cluster() {  # $1 cluster name
 if [ -z "${INVENTORY:-}" ]; then
   [ "$what" = "cluster-$action" ] || die "$action is for servers: set INVENTORY=ansible/inventories/<name>/hosts.yml (the local cluster has its token here already)"
   lock_cluster local
-  exec .venv/bin/python ray/local_cluster.py "$action"
+  exec .venv/bin/python -m dlcluster.local_cluster "$action"
 fi
 
 [ -e "$INVENTORY" ] || die "no inventory $INVENTORY: copy ansible/inventories/example to ansible/inventories/<name> and edit it"
@@ -108,7 +108,7 @@ fi
 due="$config/clusters/$name/baseline-due"
 if [ "$action" = up ] && [ -e "$due" ]; then
   echo "cluster-up: new servers: recording their performance baseline (make baseline, about a minute)"
-  if .venv/bin/python ray/smoke.py --record-baseline; then rm -f "$due"
+  if .venv/bin/python -m dlcluster baseline; then rm -f "$due"
   else echo "cluster-up: warning: the cluster is up, but no performance baseline was recorded (above): make baseline once that is fixed" >&2
   fi
 fi

@@ -1,5 +1,5 @@
 """The steps' fixtures: `ctx` (the cluster record, the command line, the job client and this
-step's deadline, handed over by ray/smoke.py through the config's stash) and, from the report
+step's deadline, handed over by dlcluster/smoke/run.py through the config's stash) and, from the report
 plugin, `details` (what the report keeps of the step)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from smoke_suite.lib import CONTEXT, TIMEOUTS, Context
+from dlcluster.smoke.lib import CONTEXT, TIMEOUTS, Context
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dlcluster import baseline, doctor, plots
-from smoke_suite.lib import (
+from dlcluster.smoke.lib import (
     REPO,
     TRAINERS,
     Context,

@@ -44,7 +44,7 @@ class LocalCluster:
     env: dict
 
     def script(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "ray/local_cluster.py", *args], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "dlcluster.local_cluster", *args], cwd=REPO,
                               env=self.env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 or not check, f"local_cluster {args}: {proc.stdout}{proc.stderr}"
         return proc

@@ -96,7 +96,7 @@ def check_recovered(out_dir: Path, killed_at: float, last_epoch: int) -> dict:
 
 
 def temp_root(cluster) -> str:
-    """The local cluster's own temp root (ray/local_cluster.py records it): its processes name it."""
+    """The local cluster's own temp root (dlcluster/local_cluster.py records it): its processes name it."""
     return json.loads((cluster.config / "clusters" / "local" / "state.json").read_text())["temp_root"]
 
 

@@ -115,8 +115,7 @@ def test_status_prints_nodes_and_resources(cluster):
 
 
 def test_down_stops_only_its_own_cluster(cluster, tmp_path):
-    sys.path.insert(0, str(REPO / "ray"))
-    from local_cluster import cluster_pids
+    from dlcluster.local_cluster import cluster_pids
 
     main_pids = cluster_pids(temp_root_of(cluster.config), 6390)
     other = start_cluster(tmp_path, 6395, 8295, nodes=1)
@@ -146,7 +145,7 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
 ])
 def test_bad_make_variables_are_one_line(tmp_path, variables, line):
     env = {**os.environ, "DLC_CONFIG": str(tmp_path), **variables}
-    proc = subprocess.run([sys.executable, "ray/local_cluster.py", "up"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dlcluster.local_cluster", "up"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     errors = proc.stderr.strip().splitlines()

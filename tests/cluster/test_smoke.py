@@ -1,5 +1,5 @@
 """make smoke end to end on the 2-node fixture cluster: the cluster record `up` wrote, the nodes
-and all-reduce steps (the pytest suite ray/smoke_suite, run by ray/smoke.py) through the job API,
+and all-reduce steps (the pytest suite ray/smoke_suite, run by dlcluster/smoke/run.py) through the job API,
 the JSON report, the printed lines, and a cluster record the cluster does not match. Its trainers
 step (the three jobs, one tiny epoch each, models verified on the cluster) is asserted in the
 emulated tier's smoke run, across 3 nodes; this tier's own job tests train the same jobs on this
@@ -19,7 +19,7 @@ N = 2
 
 
 def smoke(cluster, *argv, timeout=900):
-    proc = subprocess.run([sys.executable, "ray/smoke.py", *argv], cwd=REPO, env=cluster.env,
+    proc = subprocess.run([sys.executable, "-m", "dlcluster", "smoke", *argv], cwd=REPO, env=cluster.env,
                           capture_output=True, text=True, timeout=timeout)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     return proc

@@ -1913,8 +1913,8 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
         # a slowdown of 2x, not 25 %, and links at a quarter of their baseline, not 70 %: the other
         # nodes share this machine's 2 cores with the test (CI once saw a link between two others
         # below 70 % of its baseline)
-        proc = run([str(BIN / "python"), "ray/smoke.py", "--only", "perf", "--quarantine", "--json",
-                    str(report), "--max-step-slowdown", "1", "--min-storage-fraction", "0.1",
+        proc = run([str(BIN / "python"), "-m", "dlcluster.smoke.run", "--only", "perf", "--quarantine",
+                    "--json", str(report), "--max-step-slowdown", "1", "--min-storage-fraction", "0.1",
                     "--min-link-fraction", "0.25"], emulated.env, timeout=600)
         print(proc.stdout[-5000:], proc.stderr[-2000:])
         assert proc.returncode == 1

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from dlcluster import baseline, plots
+from dlcluster.smoke import lib
 from trainkit import record
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "ray"))
 
 import smoke_checks  # noqa: E402
-from smoke_suite import lib  # noqa: E402
 
 TH = baseline.Thresholds()
 

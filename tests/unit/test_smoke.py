@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dlcluster import local_cluster
+from dlcluster.smoke import lib
+from dlcluster.smoke import report as smoke_report
+from dlcluster.smoke import run as smoke
 from trainkit import data, mnist
 from trainkit.cluster import check_batch
 from trainkit.errors import UserError
@@ -20,11 +24,7 @@ from trainkit.errors import UserError
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "ray"))
 
-import local_cluster  # noqa: E402
-import smoke  # noqa: E402
 import smoke_checks  # noqa: E402
-from smoke_suite import lib  # noqa: E402
-from smoke_suite import report as smoke_report  # noqa: E402
 
 
 def local_desc(nodes=2, cpus=1, **changes) -> dict:
@@ -393,7 +393,7 @@ def test_node_not_routed_through_the_bastion_fails(ssh_config, fake_ssh):
 # ------------------------------------------------------------------ the command line
 def run_smoke(tmp_path, *argv):
     env = {**os.environ, "DLC_CONFIG": str(tmp_path)}
-    return subprocess.run([sys.executable, "ray/smoke.py", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "dlcluster", "smoke", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -545,7 +545,7 @@ def test_proxyjump(details):
 
 
 def fake_run(tmp_path, capsys, steps=None, suite=FAKE_SUITE, name="test_fake_steps"):
-    """ray/smoke.py's run_suite on a fake suite: (pytest's exit code, the plugin, stdout lines)."""
+    """dlcluster/smoke/run.py's run_suite on a fake suite: (pytest's exit code, the plugin, stdout lines)."""
     path = tmp_path / f"{name}.py"
     path.write_text(suite)
     plugin = smoke_report.SmokeReport(local_desc(), Path("/c/cluster.json"), tmp_path / "out" / "report.json",

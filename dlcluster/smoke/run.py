@@ -1,7 +1,7 @@
 """Multi-node smoke tests against any running cluster, read from its cluster record.
 
-    .venv/bin/python ray/smoke.py [--config FILE] [--only nodes,allreduce,trainers,proxyjump]
-                                  [--sizes 1,4,16,64,256 | --max-mib N] [--json PATH]
+    dlcluster smoke [--config FILE] [--only nodes,allreduce,trainers,proxyjump]   (make smoke)
+                    [--sizes 1,4,16,64,256 | --max-mib N] [--json PATH]
 
 Steps, in this order (each with a time limit, a progress line, and a result in the report):
 
@@ -24,7 +24,7 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
              the bastion
 
 The steps are a pytest suite, ray/smoke_suite/test_steps.py, which this script runs (pytest.main)
-after checking its input; ray/smoke_suite/report.py is the plugin that prints the lines below and
+after checking its input; dlcluster/smoke/report.py is the plugin that prints the lines below and
 writes the report. Everything but proxyjump runs as a Ray job submitted over HTTP to the cluster
 record's job_api (ray.job_submission.JobSubmissionClient, token auth), with this repository as
 the working dir; the job side is ray/smoke_checks.py, which prints one `SMOKE_JSON {...}` line
@@ -48,15 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))  # trainkit
-sys.path.insert(0, str(HERE))  # smoke_suite, smoke_checks, also when imported
+import pytest
+from pydantic import ValidationError
 
-import pytest  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
-from smoke_checks import MIB  # noqa: E402
-from smoke_suite.lib import (  # noqa: E402
+from dlcluster import baseline
+from dlcluster.smoke.lib import (
     CONTEXT,
     DEFAULT_SIZES_MIB,
     HARD_STOP_AFTER,
@@ -70,13 +66,13 @@ from smoke_suite.lib import (  # noqa: E402
     log,
     snapshot,
 )
-from smoke_suite.report import SmokeReport  # noqa: E402
+from dlcluster.smoke.protocol import MIB
+from dlcluster.smoke.report import SmokeReport
+from trainkit import record
+from trainkit.errors import EXIT_USER_ERROR, UserError
 
-from dlcluster import baseline  # noqa: E402
-from trainkit import record  # noqa: E402
-from trainkit.errors import EXIT_USER_ERROR, UserError  # noqa: E402
-
-SUITE = HERE / "smoke_suite"
+REPO = Path(__file__).resolve().parents[2]
+SUITE = REPO / "ray" / "smoke_suite"  # the steps, a pytest suite beside the job side (ray/smoke_checks.py)
 # pytest's own output is silenced (the plugin prints the steps' lines), its capture off (the
 # progress lines appear as they happen), and no ini file nor cache: the suite has no settings
 # but these, whatever the checkout's pyproject.toml sets for tests/.

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from smoke_checks import MIB
 
-from smoke_suite.lib import log
+from dlcluster.smoke.lib import log
+from dlcluster.smoke.protocol import MIB
 
 
 class SmokeReport:

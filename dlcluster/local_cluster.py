@@ -1,8 +1,8 @@
 """The embedded default cluster: a Ray head and worker nodes as separate `ray start` processes.
 
-    python ray/local_cluster.py up [--nodes 2] [--cpus-per-node N]
-    python ray/local_cluster.py status
-    python ray/local_cluster.py down
+    python -m dlcluster.local_cluster up [--nodes 2] [--cpus-per-node N]   (make cluster-up)
+    python -m dlcluster.local_cluster status                                (make cluster-status)
+    python -m dlcluster.local_cluster down                                  (make cluster-down)
 
 Each node has its own temp dir (and so its own sockets, logs and object store; 0700); the
 dashboard and job API listen on 127.0.0.1 only, and Ray's token auth is on: the token lives in
@@ -38,8 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # trainkit: ray/ is a folder of scripts
-from trainkit import record  # noqa: E402
+from trainkit import record
 
 CONFIG = record.config_dir()
 LOCAL = CONFIG / "clusters" / "local"  # laid out like every other cluster's folder
@@ -211,7 +210,7 @@ def wait_for_nodes(gcs: str, expected: int, env: dict[str, str], logs: str,
 
 
 PROMETHEUS_CONFIG = """\
-# written by ray/local_cluster.py: every node's Ray metrics, from the file Ray keeps on the head
+# written by dlcluster/local_cluster.py: every node's Ray metrics, from the file Ray keeps on the head
 global:
   scrape_interval: 5s
 scrape_configs:
@@ -281,11 +280,12 @@ def start_tracking(port: int) -> subprocess.Popen | None:
     log = open(folder / "server.log", "ab")  # noqa: SIM115  (the server's, for its whole life)
     # through `serve-tracking`: the auth database's password made the file's first, then the server
     return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "serve-tracking", "--",
+        [sys.executable, "-m", "dlcluster.local_cluster", "serve-tracking", "--",
          str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
          "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
          "--artifacts-destination", str(folder / "artifacts"),
          "--host", HOST, "--port", str(port), "--workers", "1"],
+        cwd=Path(__file__).resolve().parents[1],  # the checkout: where `-m` finds this module
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -1,4 +1,4 @@
-"""What the smoke suite's tests and ray/smoke.py share: the steps and their time limits, the
+"""What the smoke suite's tests and dlcluster/smoke/run.py share: the steps and their time limits, the
 checks of the cluster record, node matching, the trainers' flags, the ProxyJump checks, and
 the jobs (submitted over HTTP to the record's job API, a snapshot of this checkout as the
 working dir; the job side is ray/smoke_checks.py)."""
@@ -25,9 +25,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from smoke_checks import MARKER
 
 from dlcluster import baseline
+from dlcluster.smoke.protocol import MARKER
 from trainkit import record
 from trainkit.errors import UserError
 
@@ -444,7 +444,7 @@ class Context:
             pytest.fail("no node in the cluster record offers a CPU: no training worker can run")
 
 
-CONTEXT = pytest.StashKey[Context]()  # ray/smoke.py puts the run's Context in the config's stash
+CONTEXT = pytest.StashKey[Context]()  # run.py puts the run's Context in the config's stash
 
 
 def fail(details: dict, message: str, **more) -> None:
