@@ -8,16 +8,11 @@ tests/unit/test_ansible.py covers each case.
                    tasks/jobs.yml), what the restart does to them, and the way on.
   upgrade_refusal: make upgrade's question before any change: "" when a rolling upgrade may go
                    ahead under the jobs running now (each restarts from its checkpoint when its
-                   workers' node restarts), else the one line that stops it.
+                   workers' node restarts), else the one line that stops it. Each job's
+                   max_failures comes with the answer (dlcluster/jobs_plan.py read it with the
+                   harness's own parser, on the project's Python): this plugin imports nothing of
+                   the project.
 """
-
-import shlex
-import sys
-from pathlib import Path
-
-# trainkit's flags (the standard library only): the harness's own parser and defaults
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainkit import flags  # noqa: E402
 
 HEAD = ("on the head it ends every job: their drivers run there and no --max-failures brings them "
         "back (submit each again with the same --name: it continues from its last checkpoint)")
@@ -44,25 +39,9 @@ def _forced(value) -> bool:
     return str(value).lower() in ("true", "yes", "1")
 
 
-def max_failures(entrypoint: str) -> int | None:
-    """How often a job restarts its workers from its checkpoint: its --max-failures (the harness's
-    own parser and default) for `python jobs/<job>.py ...`; None for anything else (unknown)."""
-    try:
-        argv = shlex.split(entrypoint)
-    except ValueError:
-        return None
-    at = next((i for i, w in enumerate(argv) if w.startswith("jobs/") and w.endswith(".py")), None)
-    if at is None:
-        return None
-    p = flags.parser(Path(argv[at]).stem, "", batch_size=1, epochs=1, lr=0.1, launchers=flags.LAUNCHERS)
-    try:
-        return p.parse_known_args(argv[at + 1:])[0].max_failures
-    except SystemExit:  # a flag the job itself would refuse: it is not running long
-        return None
-
-
 def upgrade_refusal(answer: dict, ray_version: str, forced) -> str:
-    """`answer`: what the head said (roles/control/files/running_jobs.py). A newer Ray cannot roll
+    """`answer`: what the head said (roles/control/files/running_jobs.py), each job with its
+    max_failures (dlcluster/jobs_plan.py; a job without one is unknown). A newer Ray cannot roll
     (Ray's nodes all run one version); a job that would not restart from its checkpoint when Ray
     restarts on one of its workers' nodes stops the upgrade unless forced."""
     running = answer.get("ray_version")
@@ -74,7 +53,7 @@ def upgrade_refusal(answer: dict, ray_version: str, forced) -> str:
         return ""
     stuck = []
     for job in answer.get("jobs") or []:
-        n = max_failures(job["entrypoint"])
+        n = job.get("max_failures")
         brief = " ".join(job["entrypoint"].split())[:60]
         if n is None:
             stuck.append(f"{job['id']} ({brief}: not python jobs/<job>.py, whether it restarts is unknown)")

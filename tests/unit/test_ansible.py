@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dlcluster import jobs_plan
+
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
 sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
@@ -585,11 +587,17 @@ def test_an_upgrade_under_jobs_that_would_not_restart_is_one_line_first():
     ok = {"ray": "up", "ray_version": "2.60.0", "jobs": [
         {"id": "a", "entrypoint": "python jobs/ddp_autoencoder.py --num-workers 2-3 --epochs 8"},
         {"id": "b", "entrypoint": "python  jobs/tf_cnn.py --max-failures=-1"}]}
-    assert dlc_jobs.max_failures(ok["jobs"][0]["entrypoint"]) == 3  # the harness's own default
+    assert jobs_plan.max_failures(ok["jobs"][0]["entrypoint"]) == 3  # the harness's own default
+    # what the control role hands the filter: the answer with each job's max_failures, read on the
+    # project's Python by the same command the role runs
+    proc = subprocess.run([sys.executable, "-m", "dlcluster.jobs_plan"], input=json.dumps(ok), cwd=REPO,
+                          capture_output=True, text=True, check=True, timeout=60)
+    assert [j["max_failures"] for j in json.loads(proc.stdout)["jobs"]] == [3, -1]
+    ok = jobs_plan.plan(ok)
     assert dlc_jobs.upgrade_refusal(ok, "2.60.0", False) == ""
     assert dlc_jobs.upgrade_refusal({"ray": "down", "state": "inactive"}, "2.60.0", False) == ""
-    stuck = {**ok, "jobs": [*ok["jobs"], {"id": "c", "entrypoint": "sleep 600"},
-                            {"id": "d", "entrypoint": "python jobs/horovod_mnist.py --max-failures 0"}]}
+    stuck = jobs_plan.plan({**ok, "jobs": [*ok["jobs"], {"id": "c", "entrypoint": "sleep 600"},
+                            {"id": "d", "entrypoint": "python jobs/horovod_mnist.py --max-failures 0"}]})
     line = dlc_jobs.upgrade_refusal(stuck, "2.60.0", False)
     assert "2 running job(s) would not restart from a checkpoint" in line, line
     assert "c (sleep 600: not python jobs/<job>.py" in line and "d (python jobs/horovod_mnist.py " \
