@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make lock: requirements.lock, the one lock the virtualenv, the wheelhouse and the images install
-# from (scripts/envkey.py prints each one's part), and docker/tf-cuda.lock, the GPU image's
+# from (dlcluster/envkey.py prints each one's part), and docker/tf-cuda.lock, the GPU image's
 # TensorFlow environment (CUDA 12 wheels where torch brings CUDA 13), constrained to the same
 # versions. uv (versions.env's PIN_UV, in a small cached environment of its own) compiles
 # pyproject.toml's pins for the nodes' platform, every file with its sha256. Run it after changing
@@ -25,5 +25,5 @@ compile() {
     --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" "$@"
 }
 compile pyproject.toml --extra dev --extra horovod-deps -o requirements.lock
-"$PYTHON" scripts/envkey.py --tf-cuda-in | compile - -c requirements.lock -o docker/tf-cuda.lock
+"$PYTHON" -m dlcluster.envkey --tf-cuda-in | compile - -c requirements.lock -o docker/tf-cuda.lock
 echo "lock: requirements.lock ($(grep -c '^[a-z0-9]' requirements.lock) packages), docker/tf-cuda.lock ($(grep -c '^[a-z0-9]' docker/tf-cuda.lock)); commit both"

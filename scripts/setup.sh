@@ -11,7 +11,7 @@ PYTHON=${PYTHON:-$DEFAULT_PYTHON}
 CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
 command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found; install $DEFAULT_PYTHON (versions.env) or set PYTHON=/path/to/$DEFAULT_PYTHON" >&2; exit 1; }
 
-key=$("$PYTHON" scripts/envkey.py)
+key=$("$PYTHON" -m dlcluster.envkey)
 venv="$CACHE/venv-$key"
 
 # One setup at a time per cache (two checkouts, or a test run beside a shell): a second one that
@@ -27,10 +27,10 @@ if [ ! -f "$venv/.complete" ]; then
   "$PYTHON" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade "pip==$PIN_PIP"
   # the whole lock, with its hashes: pip checks every file it installs (hash-checking mode)
-  "$PYTHON" scripts/envkey.py --requirements >"$venv/requirements.txt"
+  "$PYTHON" -m dlcluster.envkey --requirements >"$venv/requirements.txt"
   # The wheelhouse of this lock (`make wheels`, also what the image installs from), when there
   # is one: pip takes its wheels from there first (an air-gapped host can carry it over).
-  house="$CACHE/wheelhouse/$("$PYTHON" scripts/envkey.py --runtime-key)"
+  house="$CACHE/wheelhouse/$("$PYTHON" -m dlcluster.envkey --runtime-key)"
   links=()
   if [ -f "$house/.complete" ]; then links=(--find-links "$house"); fi
   "$venv/bin/python" -m pip install --progress-bar off --require-hashes --no-deps "${links[@]}" \

@@ -4,9 +4,9 @@
 #
 # usage: scripts/wheelhouse.sh [--tf-cuda] [--link DIR]
 #   prints the wheelhouse's path: $DLC_CACHE/wheelhouse/<key>, where the key is the runtime's
-#   (scripts/envkey.py --runtime-key: Python version, the lock's runtime and TensorFlow-CUDA lines,
+#   (dlcluster/envkey.py --runtime-key: Python version, the lock's runtime and TensorFlow-CUDA lines,
 #   versions.env's pip and Horovod sdist; the test tools are not in it). It holds
-#     *.whl               the lock's runtime part (scripts/envkey.py --runtime: what the runtime pins
+#     *.whl               the lock's runtime part (dlcluster/envkey.py --runtime: what the runtime pins
 #                         and Horovod's needs pull in), each file checked against its hash, and pip;
 #     requirements.txt    what the image installs: those packages with their hashes;
 #     horovod-<PIN_HOROVOD>.tar.gz  the sdist scripts/build_horovod.sh compiles (checked by its sha256);
@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install $DEFAULT_PYTHON (versions.env) or set PYTHON=/path/to/$DEFAULT_PYTHON"
 
-key=$("$PYTHON" scripts/envkey.py --runtime-key)
+key=$("$PYTHON" -m dlcluster.envkey --runtime-key)
 house=$CACHE/wheelhouse/$key
 # pip download of files, without their dependencies (the lock lists every one), logged in the house
 get() { "$PYTHON" -m pip download --progress-bar off -q --no-deps "$@" >>"$house/pip.log" 2>&1; }
@@ -60,7 +60,7 @@ if [ ! -f "$house/.complete" ]; then
   mkdir -p "$house"
   # what the image installs: the lock's runtime part with its hashes; pip download checks every
   # file against them, wheels only (a package without a wheel for this platform stops here)
-  "$PYTHON" scripts/envkey.py --runtime >"$house/requirements.txt"
+  "$PYTHON" -m dlcluster.envkey --runtime >"$house/requirements.txt"
   get --require-hashes --only-binary :all: -d "$house" -r "$house/requirements.txt" \
     || die "pip download of the locked runtime failed; log: $house/pip.log"
   get -d "$house" "pip==$PIN_PIP" || die "pip download pip==$PIN_PIP failed; log: $house/pip.log"
@@ -74,7 +74,7 @@ if [ ! -f "$house/.complete" ]; then
   # installs this first and compiles Horovod against it alone, so changing any other pin reuses
   # both layers. (pip download copies from the house; the copies are then swapped for hard links.)
   mkdir "$house/torch"
-  "$PYTHON" scripts/envkey.py --torch >"$house/torch/requirements.txt"
+  "$PYTHON" -m dlcluster.envkey --torch >"$house/torch/requirements.txt"
   get --require-hashes --no-index --find-links "$house" -d "$house/torch" -r "$house/torch/requirements.txt" \
     || die "pip download of the torch subset failed; log: $house/pip.log"
   for f in "$house"/torch/*.whl; do ln -f "$house/${f##*/}" "$f"; done

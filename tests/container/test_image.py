@@ -95,8 +95,8 @@ def image(image_build):
 
 
 def pins() -> dict[str, str]:
-    """The lock's runtime part (scripts/envkey.py --runtime-pins): every package the image installs."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts/envkey.py"), "--runtime-pins"], check=True,
+    """The lock's runtime part (dlcluster/envkey.py --runtime-pins): every package the image installs."""
+    out = subprocess.run([sys.executable, "-m", "dlcluster.envkey", "--runtime-pins"], cwd=REPO, check=True,
                          capture_output=True, text=True).stdout.split()
     return dict(pin.split("==") for pin in out)
 

@@ -1,6 +1,6 @@
 """requirements.lock (make lock) is what every environment installs: the virtualenv all of it, the
 wheelhouse and the images its runtime part, the images' first layer torch's part, the GPU image's
-TensorFlow environment docker/tf-cuda.lock. scripts/envkey.py prints each part and its cache key."""
+TensorFlow environment docker/tf-cuda.lock. dlcluster/envkey.py prints each part and its cache key."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 def envkey(*flags: str, root: Path = REPO, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(root / "scripts/envkey.py"), *flags], check=check,
+    return subprocess.run([sys.executable, "-m", "dlcluster.envkey", *flags], cwd=root, check=check,
                           capture_output=True, text=True)
 
 
@@ -95,8 +95,9 @@ def test_tensorflows_cuda_environment_has_the_locked_versions_and_no_torch():
 @pytest.fixture
 def copy(tmp_path) -> Path:
     """envkey.py with what it reads, in a folder of its own."""
-    for name in ("scripts/envkey.py", "trainkit/__init__.py", "trainkit/versions.py", "pyproject.toml",
-                 "versions.env", "requirements.lock", "docker/tf-cuda.lock"):
+    for name in ("dlcluster/__init__.py", "dlcluster/envkey.py", "trainkit/__init__.py",
+                 "trainkit/versions.py", "pyproject.toml", "versions.env", "requirements.lock",
+                 "docker/tf-cuda.lock"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     return tmp_path

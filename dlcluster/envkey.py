@@ -30,9 +30,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from trainkit import versions  # the standard library only: this runs before any venv exists
+
 root = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(root))
-from trainkit import versions  # noqa: E402  (the standard library only: runs before any venv)
 
 LOCK = root / "requirements.lock"
 TF_CUDA_LOCK = root / "docker/tf-cuda.lock"
