@@ -119,10 +119,10 @@ demo: cluster-up ## setup, cluster-up, then train the autoencoder and print wher
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
 test: setup ## every tier, cheapest first (TEST_LANES: lint, unit, GPU, image, local cluster, emulated), a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py $(TEST_LANES)
+	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
-	@$(PY) scripts/test_suite.py lint,unit
+	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports lint,unit
 
 test-unit: setup ## unit tests: models, data, ONNX parity, errors (no cluster)
 	@$(PY) -m pytest tests/unit -n $(UNIT_PROCS) --maxprocesses 4 $(PYTEST_ARGS)

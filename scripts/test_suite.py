@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from trainkit.versions import cache_dir  # noqa: E402
 
 # tier -> (make target, what it is)
 TIERS = {
@@ -140,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
                     help=f"a lane: tiers run in turn; lanes run side by side. Tiers: {', '.join(TIERS)}")
-    ap.add_argument("--reports", type=Path, default=cache_dir() / "test-reports",
-                    help="folder for each tier's JUnit XML report")
+    ap.add_argument("--reports", type=Path, required=True,
+                    help="folder for each tier's JUnit XML report (make: $DLC_CACHE/test-reports)")
     a = ap.parse_args(argv)
     lanes = [lane.split(",") for lane in a.lanes]
     order = [t for lane in lanes for t in lane]
