@@ -62,17 +62,14 @@ log="$config/clusters/$name/$action.log"
 
 lock_cluster "$name"
 
-# remove-node: cluster-up without that worker (dlc_remove_node: drained, its Ray stopped, out of
-# every list and the record)
+# a playbook per action (ansible/cluster-<action>.yml); remove-node: the worker NODE names
+# (dlc_remove_node: drained, its Ray stopped, out of every list and the record)
 playbook=cluster-$action.yml removal=()
 if [ "$action" = remove-node ]; then
   [[ ${NODE:-} =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] \
     || die "NODE='${NODE:-}': name the worker to take out, as the inventory does: make remove-node NODE=node-2 INVENTORY=$INVENTORY"
-  playbook=cluster-up.yml removal=(-e "dlc_remove_node=$NODE")
+  removal=(-e "dlc_remove_node=$NODE")
 fi
-# upgrade: cluster-up one node at a time, each drained first, checked after, rolled back on a
-# failed check (dlc_upgrade)
-if [ "$action" = upgrade ]; then playbook=cluster-up.yml removal=(-e dlc_upgrade=true); fi
 
 export ANSIBLE_CONFIG="$PWD/ansible/ansible.cfg"
 # Ansible's own connection sockets, per cluster and config folder: an old connection can never

@@ -182,16 +182,43 @@ def _first_steps(play: dict) -> list[str]:
             if "ansible.builtin.import_role" in t]
 
 
+def _plays(path: Path) -> list[dict]:
+    """A playbook's plays in order, its imports (plays/*.yml, cluster-up.yml) expanded."""
+    out = []
+    for play in yaml.safe_load(path.read_text()):
+        imported = play.get("ansible.builtin.import_playbook")
+        out += _plays(path.parent / imported) if imported else [play]
+    return out
+
+
 @pytest.mark.parametrize("playbook", sorted(p.name for p in ANSIBLE.glob("cluster-*.yml")))
 def test_every_playbook_checks_the_inventory_first(playbook):
     """roles/inventory_checks runs first (after the defaults), on the control host, before any play
     or role that changes or contacts anything."""
-    plays = yaml.safe_load((ANSIBLE / playbook).read_text())
-    if "ansible.builtin.import_playbook" in plays[0]:  # rotate-token: cluster-up's
-        plays = yaml.safe_load((ANSIBLE / plays[0]["ansible.builtin.import_playbook"]).read_text())
+    plays = _plays(ANSIBLE / playbook)
     assert plays[0]["hosts"] == "localhost" and plays[0]["connection"] == "local"
     assert _first_steps(plays[0])[:2] == ["dlc", "inventory_checks"], _first_steps(plays[0])
     assert all("inventory_checks" not in _first_steps(p) for p in plays[1:])
+
+
+
+def test_every_role_is_tagged_and_the_checks_run_whatever_the_tags():
+    """`ANSIBLE_ARGS="--tags ray"` runs one role on the nodes: each role in the lifecycle plays
+    carries its name as a tag; the plays that check, lock and record (and the defaults) are tagged
+    always, so no --tags leaves them out."""
+    always = []
+    for path in sorted((ANSIBLE / "plays").glob("*.yml")):
+        for play in yaml.safe_load(path.read_text()):
+            if play.get("tags") == ["always"]:
+                always.append(path.stem)
+                continue
+            for role in play["roles"]:
+                assert isinstance(role, dict), (path.name, role)
+                want = ["always"] if role["role"] == "dlc" else [role["role"]]
+                assert role["tags"] == want, (path.name, role)
+    assert sorted(always) == ["facts", "preflight", "record", "remove"]
+    roles = {r["role"] for p in yaml.safe_load((ANSIBLE / "plays/nodes.yml").read_text()) for r in p["roles"]}
+    assert {"base", "firewall", "ray", "tracking", "metrics"} <= roles
 
 
 def test_the_image_role_has_a_task_file_per_way_of_shipping():
