@@ -8,6 +8,17 @@ touched; the session ends with cluster-down and emulate-down, and removes the im
 built. It starts by removing what a killed earlier run left (its ssh tunnels on the tier's ports,
 containers, networks, iptables rules, test images), or stops with one line naming a program of
 someone else's on one of its ports.
+
+The tests, by concern, in this order (each also runs alone with -k; a test's jobs, nodes, rules
+and files are put back when it fails too): test_10_provision (cluster-up, the first baseline,
+the registry, the bastion's services, the firewall, the ways in), test_20_stranger,
+test_30_readme_job (the README's job, Prometheus and the run history in a browser, the language
+model sharded), test_40_operators (attach, the running-jobs guard, the engine restarted under
+Ray, a jump host without sudo, a changed setting and an interrupted run, a second operator, a
+node down), test_50_faults (an unchanged Ray Train script, the head's Ray restarted, make
+resume, a node killed), test_55_host_keys, test_60_bad_input, test_70_doctor (healthy, six
+faults, quarantine, a slowed node), test_80_lifecycle (a node added and removed, make upgrade),
+test_90_last (no secret printed, cluster-down). What several share is helpers.py.
 """
 
 from __future__ import annotations
@@ -39,11 +50,11 @@ BIN = Path(sys.executable).parent
 PORT = 8275
 METRICS_PORT = 9275  # Prometheus' local end of the tunnel (make cluster-up's METRICS_PORT)
 # Grafana's (GRAFANA_PORT): the emulated head has none (its package source is unreachable)
-GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (test_emulated.operator)
+GRAFANA_PORT = 10275  # PORT + 2000, as a second operator's (helpers.operator)
 TRACKING_PORT = 11275  # the run history's local end (make cluster-up's TRACKING_PORT), PORT + 3000
 DEMO_PORT = 8265
 DEMO_RAY_PORT = 6379
-# every local tunnel end the tier opens: its own, and its second operators' (test_emulated.operator:
+# every local tunnel end the tier opens: its own, and its second operators' (helpers.operator:
 # 8276-8280), each with its Prometheus, Grafana and run-history ends (+1000, +2000, +3000)
 TUNNEL_PORTS = [base + k for base in (PORT, *range(8276, 8281)) for k in (0, 1000, 2000, 3000)]
 # images the tests build on this machine (make upgrade's test; the registry test's probe): not the
@@ -272,6 +283,18 @@ def emulated(tmp_path_factory, demo):
         finally:  # a tunnel a failed cluster-down (or a second operator's test) left; the test images
             close_leftover_tunnels(stop_on_others=False)
             remove_test_images(env)
+
+
+@pytest.fixture(autouse=True)
+def jobs_end_with_their_test(emulated):
+    """A job a test submitted that has not ended when the test does (it failed, or stopped only its
+    client) is stopped with ray job stop: the next test finds the CPUs free and cluster-down no job."""
+    from helpers import ENDED, jobs, stop_jobs  # (helpers imports this module's names)
+
+    before = set(jobs(emulated))
+    yield
+    stop_jobs(emulated, [i for i, j in jobs(emulated).items()
+                         if i not in before and j.get("status") not in ENDED])
 
 
 def pytest_configure(config):

@@ -60,7 +60,7 @@ SYSTEMD_OPTS=(--tmpfs /run --tmpfs /run/lock --cap-add ALL --cap-drop SYS_RESOUR
               --restart unless-stopped)
 CGROUP_RO=(-v /sys/fs/cgroup:/sys/fs/cgroup:ro)
 
-# The rule the tier's jump-host test adds while it runs (test_emulated.py: its `block`): this machine
+# The rule the tier's jump-host test adds while it runs (test_40_operators.py: its `block`): this machine
 # cannot open a connection to the bastion itself. A run killed in that test leaves it; down removes it.
 JUMP_TEST_BLOCK=(OUTPUT -d "$BASTION_PUB" -p tcp -m conntrack --ctstate NEW -j REJECT)
 

@@ -3,7 +3,7 @@ lets that network reach: without the token and a certificate of the cluster's CA
 with one or both (RAY_AUTH_TOKEN set; RAY_USE_TLS with RAY_TLS_* naming a node's key and
 certificates: the controls, showing each refusal is the token's or TLS's doing). Runs in a
 throwaway container of the project's image (Ray's own client code) on that network; prints one
-JSON object: service -> what happened. Used by tests/emulated/test_emulated.py.
+JSON object: service -> what happened. Used by tests/emulated/test_20_stranger.py.
 
 usage: python - HEAD_IP GCS_PORT CLIENT_PORT DASHBOARD_PORT AGENT_PORT METRICS_PORT [gcs-only] < stranger.py
 """

@@ -1,0 +1,311 @@
+"""The README's job through the tunnel (one run, shared by the module): across the nodes, in
+Prometheus in a browser, in the run history behind its sign-in; the language model sharded
+across the three nodes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import (
+    BIN,
+    METRICS_PORT,
+    NODES,
+    PORT,
+    REPO,
+    TRACKING_PORT,
+    run,
+)
+from helpers import published, running_jobs_of, stop_jobs
+
+from tests.browser import LAUNCH_ARGS, chromium, mlflow_chart_points, signed_in
+from tests.promql import wait_for_query
+from trainkit import record, tracking
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+@dataclass
+class Run:
+    """A run submitted through the tunnel: its name, and its client's exit status and output."""
+    name: str
+    returncode: int
+    out: str
+
+    @property
+    def succeeded(self) -> bool:
+        return self.returncode == 0 and "succeeded" in self.out
+
+
+@pytest.fixture(scope="module")
+def readme_run(emulated) -> Run:
+    """The README's line, with the env that make cluster-up wrote (and a run name to find it by),
+    submitted once: by the README test, or by the first test that reads its run (the Prometheus
+    graph, the run history) when that runs without it (-k run_history). A full run trains it once."""
+    name = f"readme-{int(time.time())}"
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}",
+           "--working-dir", ".", "--", "python", "jobs/ddp_autoencoder.py", "--name", name]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=1200)
+    finally:  # a run that outlived its client's time is stopped, not left holding the CPUs
+        stop_jobs(emulated, running_jobs_of(emulated, name))
+    print(proc.stdout[-5000:])
+    return Run(name, proc.returncode, proc.stdout)
+
+
+def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated, readme_run):
+    name, out = readme_run.name, readme_run.out
+    assert readme_run.succeeded, out[-3000:]
+    # the run's record on the shared storage says where its model went (DLC_STORAGE_PATH/<name>)
+    published = json.loads(emulated.ssh("node-3", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    model, manifest_path = published["model"], published["manifest"]
+    assert model.startswith(f"/srv/dlcluster/models/{name}/publications/") and model.endswith("/model.onnx")
+    assert "3 worker(s) on CPU" in out
+    # the model is on the shared storage: a worker node sees it
+    assert emulated.ssh("node-3", "test", "-s", model).returncode == 0
+    manifest = json.loads(emulated.ssh("node-2", "cat", manifest_path).stdout)
+    assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
+    assert manifest["world_size"] == 3
+    # --num-workers auto: one rank on each node, as the ranks themselves reported
+    assert sorted(manifest["replica_hosts"]) == ["node-1", "node-2", "node-3"], manifest["replica_hosts"]
+    # a mixed cluster, as during a migration: node-3's rank ran in the project's image (its
+    # dlc-ray service runs Ray in a container there), the others in the nodes' virtualenv
+    runtimes = dict(zip(manifest["replica_hosts"], manifest["replica_runtimes"], strict=True))
+    assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
+    head = run(["git", "rev-parse", "HEAD"], emulated.env, check=True).stdout.strip()
+    assert manifest["git_commit"].startswith(head)  # "-dirty" after it when the tree has changes
+    # Prometheus on the head, through the same tunnel (the record names it): every node's exporter
+    # and Ray metrics up, and the run's training samples/s there by its name, as the job measured it
+    metrics = record.load(emulated.config / record.RECORD).metrics_url
+    assert metrics == f"http://127.0.0.1:{METRICS_PORT}"
+    up = wait_for_query(metrics, "up", lambda r: len(r) == 7 and all(s["value"][1] == "1" for s in r))
+    assert sorted((s["metric"]["job"], s["metric"]["node"]) for s in up) == sorted(
+        [("prometheus", "node-1")] + [(job, n) for job in ("node", "ray") for n in NODES])
+    measured = manifest["metrics"]["samples_per_s"]
+    query = f'max_over_time(ray_dlc_train_samples_per_second{{run="{name}"}}[30m])'
+    (series,) = wait_for_query(metrics, query, lambda r: len(r) == 1)
+    assert series["metric"]["dlc_job"] == "ddp_autoencoder"
+    assert abs(float(series["value"][1]) - measured) <= 0.2 * measured, (series, measured)
+    # no Grafana on the emulated head (its nodes reach only the distribution's mirrors): the first
+    # cluster-up said so in one line, carried on with Prometheus alone, and the record names none
+    said = " ".join(emulated.up.stdout.split())
+    grafana = "node-1: no Grafana: its package source https://apt.grafana.com is not reachable"
+    assert said.count(grafana) == 1, said[-3000:]
+    assert "set dlc_grafana: false to leave Grafana out" in said and "dashboards: no Grafana" in said
+    assert record.load(emulated.config / record.RECORD).grafana_url is None
+
+
+def test_the_language_model_is_sharded_across_the_three_nodes_host_and_docker(emulated):
+    """jobs/finetune_lm.py through the tunnel: FSDP2 over one rank on each node (node-3's in the
+    project's image, the others in the nodes' virtualenv), its sharded checkpoint on the shared
+    storage in three parts, published whole from it."""
+    name = f"lm-{int(time.time())}"
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}", "--working-dir", ".",
+           "--", "python", "jobs/finetune_lm.py", "--num-workers", "3", "--limit", "12000", "--batch-size",
+           "8", "--samples", "1", "--name", name]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=900)
+    finally:
+        stop_jobs(emulated, running_jobs_of(emulated, name))
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0 and "succeeded" in proc.stdout, proc.stdout[-3000:]
+    assert "FSDP2: 2 blocks and the root sharded over 3 workers" in proc.stdout
+    published = json.loads(emulated.ssh("node-2", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
+    manifest = json.loads(emulated.ssh("node-3", "cat", published["manifest"]).stdout)
+    assert manifest["world_size"] == 3 and manifest["sharded"] is True
+    assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
+    runtimes = dict(zip(manifest["replica_hosts"], manifest["replica_runtimes"], strict=True))
+    assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
+    parts = emulated.ssh("node-2", f"ls -A /srv/dlcluster/runs/{name}/checkpoint_*/").stdout.split()
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "meta.json"} <= set(parts), parts
+    folder = published["model"].rsplit("/", 1)[0] + "/pretrained"
+    assert emulated.ssh("node-3", "test", "-s", f"{folder}/model.safetensors").returncode == 0
+
+
+# Prometheus' graph page (the distribution's: its classic UI, where Rickshaw draws each series as an
+# SVG path in the graph and lists it in the legend below): the legend's series and, for each path
+# of the graph, its data points joined by a line (a series' `d` is "M x,y L x,y ...", moving on with
+# "M" past a step without data; the grid's path has no "L")
+_PROMETHEUS_GRAPH = """() => ({
+  legend: [...document.querySelectorAll('.legend li.line .label')].map(e => e.textContent),
+  lines: [...document.querySelectorAll('.graph_area .graph svg path')].map(p => (p.getAttribute('d') || '')
+    .split('M').filter(seg => seg.includes('L')).reduce((n, seg) => n + seg.split('L').length, 0)),
+  error: [...document.querySelectorAll('.error')].map(e => e.textContent.trim()).join(' '),
+})"""
+
+
+@contextmanager
+def browser_page(browser: str, size: tuple[int, int]):
+    """A page of a real browser (Playwright driving the distribution's Chromium), closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chrome = p.chromium.launch(executable_path=browser, args=LAUNCH_ARGS)
+        try:
+            yield chrome.new_page(viewport={"width": size[0], "height": size[1]})
+        finally:
+            chrome.close()
+
+
+def test_prometheus_graphs_the_readme_runs_samples_per_second_in_a_browser(emulated, readme_run, tmp_path):
+    """Prometheus' graph page, opened in a real browser through the tunnel, draws the training
+    samples/s of the README job's run: its legend names the one series Prometheus' query API holds
+    for the run over the graph's range, and the chart drew a line through that series' points. Its
+    picture is docs/metrics-prometheus.png."""
+    assert readme_run.succeeded, f"the README job's run {readme_run.name} failed: {readme_run.out[-2000:]}"
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
+    metrics = record.load(emulated.config / record.RECORD).metrics_url
+    expr = f'ray_dlc_train_samples_per_second{{run="{readme_run.name}"}}'
+    # Prometheus' own answer over the graph's range, at the step the page takes (30 min / 250: 7 s);
+    # scrapes come every few seconds, so it is waited for
+    deadline = time.time() + 90
+    while True:
+        now = time.time()
+        url = f"{metrics}/api/v1/query_range?" + urllib.parse.urlencode(
+            {"query": expr, "start": now - 1800, "end": now, "step": 7})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            held = json.loads(r.read())["data"]["result"]
+        if (len(held) == 1 and len(held[0]["values"]) >= 2) or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert len(held) == 1 and len(held[0]["values"]) >= 2, \
+        f"Prometheus holds no series of two points or more for {expr} in the last 30 minutes: {held}"
+    labels = held[0]["metric"]
+    # the legend's name of a series: the page's own (its metricToTsName), the labels in the API's order
+    series = labels["__name__"] + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()
+                                                 if k != "__name__") + "}"
+    page_url = (f"{metrics}/graph?" + urllib.parse.urlencode(
+        {"g0.expr": expr, "g0.tab": "0", "g0.range_input": "30m"}))
+    png = tmp_path / "metrics-prometheus.png"
+    with browser_page(browser, (1280, 900)) as page:  # through the tunnel, as an operator
+        page.goto(page_url)
+        try:  # the page asks Prometheus, then draws
+            page.wait_for_function(f"() => ({_PROMETHEUS_GRAPH})().lines.some(n => n >= 2)", timeout=90_000)
+        except Exception:  # noqa: BLE001  (what it drew says why)
+            pass
+        drawn = page.evaluate(_PROMETHEUS_GRAPH)
+        page.screenshot(path=str(png))
+    print(f"Prometheus holds {len(held[0]['values'])} points of {series}; the page drew {drawn}")
+    print(f"screenshot: {png}")
+    # the legend names that series alone (not the query typed into the page), and the chart joined
+    # two or more of its points with a line
+    assert drawn["legend"] == [series], drawn
+    assert max(drawn["lines"], default=0) >= 2, drawn
+
+
+def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readme_run, tmp_path, monkeypatch):
+    """MLflow on the head, through the tunnel (the record names it): 401 without the cluster's
+    credentials, 200 with them; the README job's run is there, logged by its rank 0 on a node,
+    with its model registered under the job's name (its sha256 the manifest's); a real browser signs
+    in and draws the run's loss. Its picture is docs/run-history.png."""
+    assert readme_run.succeeded, f"the README job's run {readme_run.name} failed: {readme_run.out[-2000:]}"
+    r = record.load(emulated.config / record.RECORD)
+    assert r.tracking_url == f"http://127.0.0.1:{TRACKING_PORT}", r.tracking_url
+    assert oct(Path(r.tracking_auth_path).stat().st_mode & 0o777) == "0o600"
+    said = " ".join(emulated.up.stdout.split())
+    assert f"run history: MLflow at http://127.0.0.1:{TRACKING_PORT} (user dlc" in said, said[-3000:]
+    search = f"{r.tracking_url}/api/2.0/mlflow/experiments/search?max_results=5"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(search, timeout=10)
+    assert refused.value.code == 401
+    user, password = Path(r.tracking_auth_path).read_text().strip().split(":", 1)
+    basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+    with urllib.request.urlopen(urllib.request.Request(search, headers={"Authorization": f"Basic {basic}"}),
+                                timeout=10) as answer:
+        assert answer.status == 200 and "ddp_autoencoder" in answer.read().decode()
+    # every node's Ray holds the credentials for its jobs' rank 0, readable by Ray's account alone
+    for node in NODES:  # (ssh joins its arguments into one command line: the format quoted in it)
+        assert emulated.ssh(node, "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_auth"
+                            ).stdout.split() == ["640", "root", "raysvc"], node
+    # the nodes hold the jobs' account, not the administrator's: it logged the README run above, and
+    # may not make an account; the administrator's copy on the head is root's alone
+    jobs_user, jobs_password = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth"
+                                            ).stdout.strip().split(":", 1)
+    assert jobs_user == "dlc-jobs" and jobs_password != password
+    make_user = urllib.request.Request(
+        f"{r.tracking_url}/api/2.0/mlflow/users/create", method="POST",
+        data=json.dumps({"username": "intruder", "password": "p" * 16}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(
+            f"{jobs_user}:{jobs_password}".encode()).decode()})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(make_user, timeout=10)
+    assert refused.value.code == 403
+    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_admin_auth"
+                        ).stdout.split() == ["600", "root", "root"]
+    assert emulated.ssh("node-1", "sudo", "cat", "/etc/dlcluster/tracking_admin_auth").stdout.strip() == \
+        f"{user}:{password}"
+    # the server runs as its own account: Ray's (every job's) cannot read its database password, nor
+    # write its artifacts, nor signal it
+    pid = emulated.ssh("node-1", "systemctl", "show", "-p", "MainPID", "--value", "dlc-mlflow").stdout.strip()
+    assert emulated.ssh("node-1", "ps", "-o", "user=", "-p", pid).stdout.split() == ["dlc-mlflow"], pid
+    for name in ("mlflow.env", "mlflow-auth.ini"):
+        assert emulated.ssh("node-1", f"sudo stat -c '%a %U %G' /etc/dlcluster/{name}"
+                            ).stdout.split() == ["640", "root", "dlc-mlflow"], name
+        denied = emulated.ssh("node-1", "sudo", "-u", "raysvc", "cat", f"/etc/dlcluster/{name}")
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, name
+    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /srv/dlcluster/mlflow-artifacts"
+                        ).stdout.split() == ["750", "dlc-mlflow", "dlc-mlflow"]
+    assert emulated.ssh("node-1", "sudo", "-u", "raysvc", "kill", "-0", pid).returncode != 0
+    # MLflow's client reads its credentials from the environment only: set for this test alone
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(r.tracking_url, registry_uri=r.tracking_url)
+    runs = [x for x in mlflow.search_runs([mlflow.get_experiment_by_name("ddp_autoencoder").experiment_id])
+            if x.info.run_name == readme_run.name]
+    assert len(runs) == 1, [x.info.run_name for x in runs]  # one MLflow run, rank 0's
+    run_ = runs[0]
+    manifest = published(emulated, run_.info.run_name)
+    assert manifest["tracking"]["state"] == "tracked" and manifest["tracking"]["run_id"] == run_.info.run_id
+    assert run_.info.status == "FINISHED" and run_.data.tags["dlc.world_size"] == "3"
+    assert run_.data.tags["dlc.cluster"] == "emulated" and run_.data.tags["dlc.launcher"] == "ray"
+    epochs = manifest["run"]["epochs_trained"]
+    logged = sorted(m.step for m in mlflow.get_metric_history(run_.info.run_id, "loss"))
+    assert logged == list(range(1, epochs + 1)), logged
+    (version,) = [v for v in mlflow.search_model_versions("name = 'ddp_autoencoder'")
+                  if v.run_id == run_.info.run_id]
+    assert version.tags["model_sha256"] == manifest["model_sha256"]
+    # the link the run printed opens through the tunnel, as the operator's browser opens it; the
+    # nodes' address (the head's private one) beside it
+    experiment, run_id = run_.info.experiment_id, run_.info.run_id
+    link = tracking.run_page(r.tracking_url, experiment, run_id)  # in MLflow's model-training view
+    node_link = tracking.run_page(f"http://{NODES['node-1']}:5000", experiment, run_id)
+    assert (manifest["tracking"]["page"], manifest["tracking"]["node_page"]) == (link, node_link)
+    assert f"registered model: ddp_autoencoder version {version.version} (run history: {link} (on the " \
+           f"cluster's network: {node_link}))" in readme_run.out, readme_run.out[-3000:]
+    for url in (link.split("#")[0], f"{r.tracking_url}/api/2.0/mlflow/runs/get?run_id={run_id}"):
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"}),
+                                    timeout=10) as answer:
+            body = answer.read().decode()
+        assert answer.status == 200 and (readme_run.name in body if "runs/get" in url else "<html" in body)
+    # its artifacts are on the shared storage, where the head's server keeps them
+    found = emulated.ssh("node-2", "sudo", "find", "/srv/dlcluster/mlflow-artifacts", "-name", "model.onnx"
+                         ).stdout.split()  # Ray's account's folder (0750)
+    assert any(run_.info.run_id in path for path in found), found
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium, and this is not root with apt-get to install Debian's")
+    png = tmp_path / "run-history.png"
+    with signed_in(browser, user, password) as page:  # through the tunnel, as an operator
+        page.goto(manifest["tracking"]["page"].replace("?", "/model-metrics?", 1))  # the printed link
+        # at least a point per epoch (plotly draws a run of one epoch's lone point twice)
+        assert mlflow_chart_points(page, "loss", epochs) >= epochs
+        page.screenshot(path=str(png))
+    print(f"screenshot: {png}")
+
+
+

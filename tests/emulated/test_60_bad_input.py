@@ -1,0 +1,132 @@
+"""Bad input is one line and touches no node: bad inventories, a bastion without sudo asked for a
+service, nodes without a package source."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import (
+    run,
+)
+from helpers import EMULATED, _inventory, _jump_inventory, untouched
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _set(line: str):
+    """An edit that sets one more cluster-wide variable."""
+    return lambda t: t.replace("    ray_object_store_memory:", f"    {line}\n    ray_object_store_memory:")
+
+
+BAD_INVENTORIES = {  # name -> (edit of the emulated inventory, what the one line says)
+    "no-bastion": (lambda t: re.sub(r"    bastions:\n      hosts:\n        bastion:\n.*\n.*\n", "", t),
+                   "names 0 bastions"),
+    "bastion-unreachable": (lambda t: t.replace("ansible_host: 172.31.250.10", "ansible_host: 172.31.250.99"),
+                            "bastion"),
+    "wrong-key": (None, "is not accepted"),
+    "missing-key": (lambda t: t.replace('"{{ dlc_config }}/emulated/id_ed25519"', "/nonexistent/id_ed25519"),
+                    "does not exist"),
+    "unparsable": (lambda t: t.replace("  children:", "  children: [", 1), "inventory"),
+    # as on Ubuntu's cloud images, whose `ubuntu` login holds uid 1000: here `ops` holds 1001
+    "uid-taken": (lambda t: t.replace("    dlc_ray_user: raysvc\n    dlc_ray_user_uid: 1002\n",
+                                      "    dlc_ray_user: opsray\n    dlc_ray_user_uid: 1001\n"),
+                  "node-1: uid 1001 belongs to ops; node-2: uid 1001 belongs to ops; "
+                  "node-3: uid 1001 belongs to ops"),
+    # every value that reaches a root shell, a unit file or the firewall, checked first: each such
+    # check is in the unit tier (tests/unit/test_inventory.py, the same filter); three of them here,
+    # end to end through cluster-up on the servers
+    "cidr-prefix-33": (_set("firewall_private_cidr: 172.31.251.0/33"),
+                       "node-1, node-2, node-3: firewall_private_cidr is '172.31.251.0/33', not an IPv4"),
+    "cidr-misses-nodes": (_set("firewall_private_cidr: 172.31.251.8/30"),
+                          "firewall_private_cidr 172.31.251.8/30 leaves out node-2 (172.31.251.12), "
+                          "node-3 (172.31.251.13)"),
+    # asked of the nodes (their interfaces' networks are /24), before any change
+    "cidr-wider-than-nodes": (_set("firewall_private_cidr: 172.31.0.0/16"),
+                              "node-1, node-2, node-3: firewall_private_cidr 172.31.0.0/16 is wider than "
+                              "the nodes' private "
+                              "network 172.31.251.0/24"),
+    "address-on-no-interface": (lambda t: t.replace("          ansible_host: 172.31.251.12\n",
+                                                    "          ansible_host: 172.31.251.12\n"
+                                                    "          ip: 172.31.251.99\n"),
+                                "node-2: no interface has the address 172.31.251.99"),
+    "shared-path-missing": (lambda t: t.replace("dlc_shared_storage_path: /srv/dlcluster",
+                                                "dlc_shared_storage_path: /srv/nowhere"),
+                            "node-1, node-2, node-3: dlc_shared_storage_path /srv/nowhere does not exist"),
+    "extra-args-dollar": (lambda t: re.sub(r"    ray_start_extra_args: .*\n",
+                                           "    ray_start_extra_args: [--labels, '$(reboot)']\n", t),
+                          "ray_start_extra_args item '$(reboot)' holds a quote, $"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_inventory_runs(emulated, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """cluster-up with each bad inventory, all at once: each is a cluster of its own name (its own
+    folder and lock) and stops before any change, so none waits for another."""
+    tmp = tmp_path_factory.mktemp("bad-inventories")
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "wrong")], emulated.env, check=True)
+
+    def up(name: str) -> subprocess.CompletedProcess:
+        edit = BAD_INVENTORIES[name][0]
+        if name == "wrong-key":
+            text = EMULATED.replace('"{{ dlc_config }}/emulated/id_ed25519"', str(tmp / "wrong"))
+        else:
+            text = edit(EMULATED)
+        assert text != EMULATED
+        # a cluster of its own name: its own tunnel ports (8400-8411 and +100, +200, +300)
+        return emulated.cluster("up", _inventory(tmp, name, text), timeout=300,
+                                port=8400 + list(BAD_INVENTORIES).index(name))
+
+    with ThreadPoolExecutor(len(BAD_INVENTORIES)) as pool:
+        return dict(zip(BAD_INVENTORIES, pool.map(up, BAD_INVENTORIES), strict=True))
+
+
+@pytest.mark.parametrize("name", list(BAD_INVENTORIES))
+def test_bad_input_is_one_line_and_touches_no_node(bad_inventory_runs, name):
+    proc, expect = bad_inventory_runs[name], BAD_INVENTORIES[name][1]
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error:") and expect in last, proc.stderr[-2000:]
+    assert "PLAY [Nodes" not in proc.stdout
+    assert untouched(proc)
+    if name == "bastion-unreachable":
+        assert "unreachable" in last and "172.31.250.99" in last
+
+
+def test_a_service_asked_of_a_bastion_without_sudo_is_one_line_first(emulated, tmp_path):
+    proc = emulated.cluster("up", _jump_inventory(tmp_path, ""), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error: bastion: the package proxy on the bastion "
+                           "(dlc_bastion_apt_proxy: true) needs root there, but jump has no sudo"), last
+    assert "dlc_bastion_apt_proxy: false" in last and "dlc_apt_proxy" in last
+    assert "PLAY [Bastion" not in proc.stdout and "PLAY [Nodes" not in proc.stdout
+    # the registry asked of it too: both named, with the way to do without each
+    (tmp_path / "registry").mkdir()
+    proc = emulated.cluster("up", _jump_inventory(tmp_path / "registry", "", registry=True), timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "PLAY [Nodes" not in proc.stdout
+    assert "and the image registry on the bastion (docker_image_from: bastion) need root" in last, last
+    assert "set docker_image_from: control" in last, last
+
+
+def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tmp_path):
+    """No proxy anywhere, and the private network has no route out."""
+    proc = emulated.cluster("up", _jump_inventory(tmp_path, "    dlc_bastion_apt_proxy: false\n"),
+                            timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cluster-up: error: node-1, node-2, node-3 cannot reach their package "
+                           "mirrors directly (no proxy is set) (node-1, node-2, node-3: direct to "
+                           "deb.debian.org:80: "), last
+    assert "set dlc_bastion_apt_proxy: true" in last and "; nothing was changed on any node" in last
+    assert "PLAY [Nodes" not in proc.stdout
+    # the proxy an earlier run set is still in place: nothing on the nodes was touched
+    assert emulated.ssh("node-2", "test", "-f", "/etc/apt/apt.conf.d/01dlcluster-proxy").returncode == 0
+
+
