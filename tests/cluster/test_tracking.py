@@ -224,8 +224,7 @@ def test_torchrun_is_tracked_from_rank_0_or_says_why_not(cluster, mlflow, tmp_pa
 
 START_SERVER = """
 import sys
-sys.path.insert(0, "ray")
-import local_cluster as lc
+from dlcluster import local_cluster as lc
 port = int(sys.argv[1])
 proc = lc.start_tracking(port)
 print(proc.pid, lc.tracking_ready(proc, port))
