@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the checkout this package lives in
 class Command:
     changes: str  # one line: what the command changes (or that it changes nothing)
     target: str  # the Make target that calls it
-    run: tuple[str, ...]  # ("module", name, *args) | ("script", path, *args) | ("python", path, *args)
+    run: tuple[str, ...]  # ("module", name, *args): run here; ("script", path, *args): exec'd
     flags: bool = False  # the program behind it has flags of its own (and its own --help)
 
     def argv(self, rest: list[str]) -> list[str]:
@@ -128,11 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         if not c.flags:  # what it reads are Make's variables (make help)
             return
         print()
-    os.chdir(ROOT)
     kind, what = c.run[0], c.run[1]
-    if kind == "script":
+    if kind == "script":  # from the checkout's root, as make runs it (its lines name it so)
+        os.chdir(ROOT)
         os.execv(what, [what, *c.argv(rest)[1:]])
-    if kind == "python":
-        os.execv(sys.executable, [sys.executable, *c.argv(rest)])
     sys.argv = [f"dlcluster {command}", *c.argv(rest)[1:]]
     runpy.run_module(what, run_name="__main__", alter_sys=True)
