@@ -30,9 +30,6 @@ class Command:
     run: tuple[str, ...]  # ("module", name, *args): run here; ("script", path, *args): exec'd
     flags: bool = False  # the program behind it has flags of its own (and its own --help)
 
-    def argv(self, rest: list[str]) -> list[str]:
-        return [*self.run[1:], *rest]
-
 
 def _cluster(action: str, changes: str, target: str | None = None) -> Command:
     return Command(changes, target or action, ("script", "scripts/cluster.sh", action))
@@ -120,17 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]  # the rest goes to the program behind the command, untouched
     c = COMMANDS[command]
     here = checkout(Path.cwd())
-    if here is not None and here != ROOT:  # an installed dlcluster of another checkout
+    if here is not None and here != ROOT:  # another checkout's dlcluster (its folder on PYTHONPATH)
         sys.exit(f"dlcluster: this command is the checkout {ROOT}'s, run from the checkout {here}: run "
-                 f"`make setup` there, or `.venv/bin/python -m dlcluster` from it")
+                 f"`.venv/bin/python -m dlcluster` from {here}'s root (or its make targets)")
     if rest[:1] in (["-h"], ["--help"]):
         print(f"dlcluster {command} (make {c.target}): {c.changes}")
         if not c.flags:  # what it reads are Make's variables (make help)
             return
         print()
-    kind, what = c.run[0], c.run[1]
+    kind, what, args = c.run[0], c.run[1], [*c.run[2:], *rest]
     if kind == "script":  # from the checkout's root, as make runs it (its lines name it so)
         os.chdir(ROOT)
-        os.execv(what, [what, *c.argv(rest)[1:]])
-    sys.argv = [f"dlcluster {command}", *c.argv(rest)[1:]]
+        os.execv(what, [what, *args])
+    sys.argv = [f"dlcluster {command}", *args]
     runpy.run_module(what, run_name="__main__", alter_sys=True)

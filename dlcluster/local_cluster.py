@@ -477,7 +477,7 @@ def make_var(name: str, default: int, low: int, high: int | None = None):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="local_cluster", description=__doc__.split("\n\n")[0])
     p.error = lambda message: fail(message.split(": ", 1)[-1] + "; see make help")
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start the head and worker nodes")

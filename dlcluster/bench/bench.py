@@ -330,7 +330,7 @@ def machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated jobs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")

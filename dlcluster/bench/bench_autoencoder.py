@@ -47,7 +47,7 @@ def run(workers: int, batch: int, a: argparse.Namespace, work: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench-ae", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default=None, help="job API (default: the cluster record's)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
     p.add_argument("--limit", type=int, default=None, help="frames to use (default: all 6472)")

@@ -81,8 +81,8 @@ def test_a_command_of_another_checkout_refuses_before_it_runs(tmp_path):
     proc = dlcluster("up", cwd=tmp_path, env=env)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip() == (f"dlcluster: this command is the checkout {REPO}'s, run from the checkout "
-                                   f"{tmp_path}: run `make setup` there, or `.venv/bin/python -m dlcluster` "
-                                   "from it")
+                                   f"{tmp_path}: run `.venv/bin/python -m dlcluster` from {tmp_path}'s root "
+                                   "(or its make targets)")
     assert not (tmp_path / "config").exists()
 
 
