@@ -1,16 +1,19 @@
 """make test / make check: run test tiers in lanes, then one table and one closing line.
 
 Each argument is a lane: its tiers, joined by commas, run one after another; the lanes run side by
-side (make test: TEST_LANES, one lane by default: on 2 cores two lanes were slower, see README's
-Testing). Each tier is its own make target (make test-unit, ...) run with
-`--junitxml`; the counts come from those JUnit reports (lint writes one too: a case per linter),
-never from scraping output. With more than one lane every output line starts with its tier's name.
-Every tier runs even after one failed, so the table is whole; the exit code is non-zero when any
-tier failed, errored, or ran no test. The last line printed is the suite's
-`N passed, N failed, N skipped`.
+side. `then` ends a stage: the lanes after it start when every lane before it has ended (make test:
+TEST_LANES, the cheap tiers in one lane, then the local cluster's tier beside the emulated one: each
+of those two leaves a core idle a third of the time on 2 cores, so side by side they take about 15
+minutes less than one after the other; docs/testing.md). Each tier is its own make target (make
+test-unit, ...) run with `--junitxml`; the counts come from those JUnit reports (lint writes one
+too: a case per linter), never from scraping output. With more than one lane in a stage every output
+line starts with its tier's name. Every tier runs even after one failed, so the table is whole; the
+exit code is non-zero when any tier failed, errored, or ran no test. The last line printed is the
+suite's `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated    # make test
-    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated    # two lanes side by side
+    python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # make test
+    python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated         # one after another
+    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated         # two lanes side by side
     python scripts/test_suite.py lint,unit                               # make check
 """
 
@@ -137,13 +140,21 @@ def lane_problem(order: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
-                    help=f"a lane: tiers run in turn; lanes run side by side. Tiers: {', '.join(TIERS)}")
+                    help=f"a lane: tiers run in turn; lanes run side by side; `then` waits for the lanes "
+                         f"before it. Tiers: {', '.join(TIERS)}")
     ap.add_argument("--reports", type=Path, required=True,
                     help="folder for each tier's JUnit XML report (make: $DLC_CACHE/test-reports)")
     a = ap.parse_args(argv)
-    lanes = [lane.split(",") for lane in a.lanes]
+    stages: list[list[list[str]]] = [[]]  # `then` starts the next stage
+    for arg in a.lanes:
+        if arg == "then":
+            stages.append([])
+        else:
+            stages[-1].append(arg.split(","))
+    lanes = [lane for stage in stages for lane in stage]
     order = [t for lane in lanes for t in lane]
-    problem = lane_problem(order)
+    problem = lane_problem(order) or ("'then' needs lanes before and after it"
+                                      if len(stages) > 1 and not all(stages) else None)
     if problem:
         print(f"test: error: lanes {' '.join(a.lanes)!r}: {problem}; name each of {', '.join(TIERS)} at most "
               "once, comma-separated within a lane (make test: TEST_LANES)", file=sys.stderr)
@@ -153,19 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     width = max(map(len, order))
     results: dict[str, Result] = {}
 
-    def run_lane(lane: list[str]) -> None:
+    def run_lane(lane: list[str], beside: bool) -> None:
         for tier in lane:
-            prefix = f"{tier:<{width}} | " if len(lanes) > 1 else ""
+            prefix = f"{tier:<{width}} | " if beside else ""
             results[tier] = run_tier(tier, a.reports, pytest_args, prefix)
 
-    if len(lanes) > 1:
-        say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in lanes))
     started = time.monotonic()
-    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for stage in stages:
+        if len(stage) > 1:
+            say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in stage))
+        threads = [threading.Thread(target=run_lane, args=(lane, len(stage) > 1)) for lane in stage]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     ordered = [results[t] for t in order]
     budget = budgets()
     print(f"\n{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8} {'budget':>7}  status")

@@ -57,6 +57,19 @@ def test_lanes_run_side_by_side_and_the_last_line_sums_every_tier(tiers, capsys)
     assert out.index("==== empty: 0 passed") < out.index("==== mixed: the mixed tier")
 
 
+def test_then_starts_the_next_lanes_when_every_lane_before_it_has_ended(tiers, capsys):
+    """make test's order: the cheap tiers first, then the two heavy ones side by side."""
+    rc = test_suite.main(["green", "then", "mixed", "empty", "--reports", str(tiers / "reports")])
+    out = capsys.readouterr().out
+    assert rc == 1 and out.strip().splitlines()[-1] == "3 passed, 1 failed, 1 skipped"
+    green_ended = out.index("==== green: 2 passed")
+    assert green_ended < out.index("==== mixed: the mixed tier")
+    assert green_ended < out.index("==== empty: the empty tier")
+    assert "green | " not in out  # alone in its stage: its lines as they are
+    assert "lanes, side by side: mixed  |  empty" in out
+    assert out.index("==== empty: 0 passed") < out.index("==== mixed: 1 passed")  # side by side
+
+
 def test_each_tier_is_shown_beside_its_budget_and_one_over_it_is_named(tiers, capsys, monkeypatch):
     monkeypatch.setattr(test_suite, "budgets", lambda: {"green": 1, "mixed": 600, "warm": 2700, "cold": 3600})
     assert test_suite.main(["green,mixed", "--reports", str(tiers / "reports")]) == 1
@@ -86,6 +99,9 @@ def test_one_lane_prints_as_it_is(tiers, capsys):
     (["green", "green"], "green is named 2 times"),
     (["green,,mixed"], "an empty tier name"),
     ([], "no tier"),
+    (["then", "green"], "'then' needs lanes before and after it"),
+    (["green", "then"], "'then' needs lanes before and after it"),
+    (["green", "then", "mixed,green"], "green is named 2 times"),
 ])
 def test_bad_lanes_are_one_line_before_any_tier_runs(tiers, capsys, lanes, problem):
     assert test_suite.main([*lanes, "--reports", str(tiers / "reports")]) == 2
