@@ -37,7 +37,8 @@ RUN             ?=
 PYTEST_ARGS     ?=
 # the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
 UNIT_PROCS      ?= auto
-# make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn)
+# make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn;
+# `then` starts the lanes after it once every lane before it has ended)
 TEST_LANES      ?= lint,unit,gpu,image then cluster emulated
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
 INVENTORY       ?=

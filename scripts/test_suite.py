@@ -14,7 +14,7 @@ suite's `N passed, N failed, N skipped`.
     python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # make test
     python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated         # one after another
     python scripts/test_suite.py lint,unit,gpu,image,cluster emulated         # two lanes side by side
-    python scripts/test_suite.py lint,unit                               # make check
+    python scripts/test_suite.py lint,unit                                    # make check
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                       if len(stages) > 1 and not all(stages) else None)
     if problem:
         print(f"test: error: lanes {' '.join(a.lanes)!r}: {problem}; name each of {', '.join(TIERS)} at most "
-              "once, comma-separated within a lane (make test: TEST_LANES)", file=sys.stderr)
+              "once, comma-separated within a lane, `then` between two groups of lanes (make test: TEST_LANES)",
+              file=sys.stderr)
         return 2
     a.reports.mkdir(parents=True, exist_ok=True)
     pytest_args = os.environ.get("PYTEST_ARGS", "")
