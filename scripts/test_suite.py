@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                       if len(stages) > 1 and not all(stages) else None)
     if problem:
         print(f"test: error: lanes {' '.join(a.lanes)!r}: {problem}; name each of {', '.join(TIERS)} at most "
-              "once, comma-separated within a lane, `then` between two groups of lanes (make test: TEST_LANES)",
+              "once, comma-separated within a lane, `then` between two groups of lanes "
+              "(make test: TEST_LANES)",
               file=sys.stderr)
         return 2
     a.reports.mkdir(parents=True, exist_ok=True)
