@@ -104,7 +104,10 @@ def test_a_node_gone_after_the_storage_check_listed_it_is_not_named_blind(tmp_pa
     (it did: Ray's TaskUnschedulableError, once in the emulated tier after a node was taken away)."""
     import ray.cluster_utils
 
-    cluster = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # no dashboard: it would take 8265 when free, the port make demo's cluster (or the emulated tier's
+    # stand-in for it, beside this tier in make test) is known by
+    cluster = ray.cluster_utils.Cluster(initialize_head=True,
+                                        head_node_args={"num_cpus": 1, "include_dashboard": False})
     gone = cluster.add_node(num_cpus=1)
     try:
         ray.init(address=cluster.address)
