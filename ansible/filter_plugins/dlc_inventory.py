@@ -52,6 +52,9 @@ SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # URLs written into every node's ray.env (KEY=VALUE lines): a scheme, a host and a port, a path
 URLS = ("dlc_tracking_page_url",)
 URL = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(/[A-Za-z0-9._~/-]*)?")
+# images pulled onto the nodes by reference and run as root: pinned by digest (a tag can move)
+PINNED_IMAGES = ("metrics_dcgm_exporter_image",)
+PINNED = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}")
 
 
 def _value(hv, name):
@@ -85,6 +88,13 @@ def word_problems(host: str, hv, names=WORDS) -> list:
         if value is not None and not URL.fullmatch(str(value)):
             out.append(f"{host}: {name} is {str(value)!r}: a URL such as http://127.0.0.1:5000 (a scheme, "
                        f"a host, a port; no spaces, quotes or line breaks)")
+    for name in PINNED_IMAGES:
+        value = _value(hv, name)
+        if value is not None and not PINNED.fullmatch(str(value)):
+            out.append(f"{host}: {name} is {str(value)!r}: pin it by digest, NAME:TAG@sha256:<64 hex "
+                       f"digits> (`docker buildx imagetools inspect NAME:TAG` prints it; a copy in "
+                       f"your registry keeps it): it runs as root with the GPUs, and a tag can be "
+                       f"pushed again")
     return out
 
 

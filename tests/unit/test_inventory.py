@@ -27,6 +27,7 @@ NODE2 = "          ansible_host: 10.0.0.12\n"
 NODE3 = "          ansible_host: 10.0.0.13\n"
 VARS = "    dlc_shared_storage_path: /srv/dlcluster\n"
 BASTION = "          ip: 10.0.0.10\n"
+DCGM_TAG = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless"
 
 
 def on(anchor: str, extra: str):
@@ -149,6 +150,11 @@ BAD = [
     ("grafana-port-word", on(VARS, "    dlc_grafana_port: grafana\n"),
      "dlc_grafana_port is 'grafana': a port"),
     ("dcgm-port-zero", on(VARS, "    metrics_dcgm_exporter_port: 0\n"), "metrics_dcgm_exporter_port is '0'"),
+    # security review N7: an image run as root with the GPUs, pulled by a tag that can be pushed again
+    ("dcgm-image-by-tag", on(VARS, f"    metrics_dcgm_exporter_image: {DCGM_TAG}\n"),
+     f"metrics_dcgm_exporter_image is '{DCGM_TAG}': pin it by digest"),
+    ("dcgm-image-short-digest", on(VARS, "    metrics_dcgm_exporter_image: dcgm-exporter@sha256:60d3b00a\n"),
+     "metrics_dcgm_exporter_image is 'dcgm-exporter@sha256:60d3b00a': pin it by digest"),
     # a line of every node's ray.env: a second line would set any variable of Ray's processes
     ("page-url-two-lines", on(VARS, '    dlc_tracking_page_url: "http://127.0.0.1:5000\\nRAY_AUTH_MODE=disabled"\n'),
      "dlc_tracking_page_url is 'http://127.0.0.1:5000\\nRAY_AUTH_MODE=disabled': a URL such as"),

@@ -220,7 +220,9 @@ def test_a_gpu_nodes_dcgm_exporter_answers_its_private_address_under_either_runt
     start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert start.split() == ["ExecStart=/usr/bin/docker", "run", "--rm", "--name", "dlc-dcgm-exporter",
                              "--gpus", "all", "--cap-add", "SYS_ADMIN", "--network", "host",
-                             "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless", "-a", f"{ip}:9400"]
+                             "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless@sha256:"
+                             "60d3b00ac80b4ae77f94dae2f943685605585ad9e92fdccda3154d009ae317cc",
+                             "-a", f"{ip}:9400"]  # pinned by digest: what runs as root cannot change
     # host nodes: NVIDIA's package, its unit's command replaced by one with the private address
     dropin = (rendered[inventory] / name / "nvidia-dcgm-exporter.conf").read_text().splitlines()
     i = dropin.index("ExecStart=")
