@@ -42,7 +42,10 @@ wheel_only=0
 if [ "${1:-}" = "--wheel-only" ]; then wheel_only=1; shift; fi
 [ $# -eq 1 ] || die "usage: $0 [--wheel-only] VENV"
 [ -d "$1" ] || die "no virtualenv at $1"
-venv=$(cd "$1" && pwd)   # absolute, before changing directory
+# absolute and physical, before changing directory: .venv is a link into $DLC_CACHE, which every
+# checkout shares, so the scripts pip writes (horovodrun) must start with the cache's own python,
+# not a checkout's link to it (a removed checkout left horovodrun with a shebang that was gone)
+venv=$(cd "$1" && pwd -P)
 cd "$(dirname "$0")/.."
 root=$(pwd)
 patch_file=$root/patches/horovod-$HVD_VERSION-torch2.14.patch
@@ -79,7 +82,8 @@ installed=("$site"/horovod-"$HVD_VERSION".dist-info)
 
 cached_wheel() { local w=("$keydir"/horovod-"$HVD_VERSION"-*.whl); [ ${#w[@]} -eq 1 ] && echo "${w[0]}"; }
 
-if [ "$wheel_only" = 0 ] && [ ${#installed[@]} -eq 1 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$key" ]; then
+if [ "$wheel_only" = 0 ] && [ ${#installed[@]} -eq 1 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$key" ] \
+   && [ "$(head -n 1 "$venv/bin/horovodrun" 2>/dev/null)" = "#!$py" ]; then
   echo "build_horovod: horovod $HVD_VERSION ($flavour, torch $torch_version) already installed in $venv"
   exit 0
 fi
