@@ -259,6 +259,7 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     folder.mkdir(parents=True)
     (folder / "ray_token").write_text(old + "\n")
     (folder / "ray_token").chmod(0o600)
+    admin_old = (emulated.cluster_dir / "tracking_auth").read_text().strip()
     again = emulated.cluster("rotate-token")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     CONVERGED["servers"] = True  # the default inventory's full run (checked below)
@@ -283,15 +284,26 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert jobs_new != jobs_old and jobs_new.startswith("dlc-jobs:")
     assert jobs_new.split(":")[1] not in again.stdout + again.stderr
     tracking_url = record.load(emulated.config / record.RECORD).tracking_url
-    for creds, code in ((jobs_old, 401), (jobs_new, 200)):
+
+    def answer(path: str, creds: str) -> int:
         basic = base64.b64encode(creds.encode()).decode()
-        ask = urllib.request.Request(f"{tracking_url}/api/2.0/mlflow/experiments/search?max_results=1",
-                                     headers={"Authorization": f"Basic {basic}"})
+        ask = urllib.request.Request(f"{tracking_url}{path}", headers={"Authorization": f"Basic {basic}"})
         try:
-            got = urllib.request.urlopen(ask, timeout=10).status
+            return urllib.request.urlopen(ask, timeout=10).status
         except urllib.error.HTTPError as e:
-            got = e.code
-        assert got == code, (creds.split(":")[0], got)
+            return e.code
+
+    for creds, code in ((jobs_old, 401), (jobs_new, 200)):
+        assert answer("/api/2.0/mlflow/experiments/search?max_results=1", creds) == code, creds.split(":")[0]
+    # the operators' administrator password renewed too (the server first, then the head's copy,
+    # root's alone, and this folder's); never printed; the old one refused an administrator's request
+    admin_new = (emulated.cluster_dir / "tracking_auth").read_text().strip()
+    assert admin_new != admin_old and admin_new.split(":")[0] == admin_old.split(":")[0]
+    assert admin_new.split(":", 1)[1] not in again.stdout + again.stderr
+    on_head = emulated.ssh("node-1", "sudo", "cat", "/etc/dlcluster/tracking_admin_auth").stdout.strip()
+    assert on_head == admin_new
+    for creds, code in ((admin_old, 401), (admin_new, 200)):  # another account's details: administrators'
+        assert answer(f"/api/2.0/mlflow/users/get?username={jobs_new.split(':')[0]}", creds) == code
     # the operator who still has the old token: one line, nothing changed; attach fetches the new one
     refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
     last = refused.stderr.strip().splitlines()[-1]
