@@ -1,19 +1,19 @@
 """make test / make check: run test tiers in lanes, then one table and one closing line.
 
 Each argument is a lane: its tiers, joined by commas, run one after another; the lanes run side by
-side. `then` ends a stage: the lanes after it start when every lane before it has ended. make test
-(TEST_LANES): lint, unit, gpu, image and the local cluster's tier in one lane, the emulated tier
-beside it from the start: each heavy tier alone leaves one of 2 cores idle a third of the time, and
-the two lanes take about as long as each other (docs/testing.md). Each tier is its own make target (make
+side. `then` ends a stage: the lanes after it start when every lane before it has ended (make test:
+TEST_LANES, the cheap tiers in one lane, then the local cluster's tier beside the emulated one: each
+of those two leaves a core idle a third of the time on 2 cores, so side by side they take about 15
+minutes less than one after the other; docs/testing.md). Each tier is its own make target (make
 test-unit, ...) run with `--junitxml`; the counts come from those JUnit reports (lint writes one
 too: a case per linter), never from scraping output. With more than one lane in a stage every output
 line starts with its tier's name. Every tier runs even after one failed, so the table is whole; the
 exit code is non-zero when any tier failed, errored, or ran no test. The last line printed is the
 suite's `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated         # make test: two lanes
+    python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # make test
     python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated         # one after another
-    python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # two stages
+    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated         # two lanes side by side
     python scripts/test_suite.py lint,unit                                    # make check
 """
 
