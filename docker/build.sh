@@ -40,9 +40,9 @@ command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/$
 pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 docker/engine.sh
-# One build at a time on this machine (make test's lanes: the emulated tier's `make image` beside the
-# image tier's builds; two checkouts): they share .whl/ and .prebuilt/ here, the wheel caches and the
-# engine's tags. A second build waits, then finds the image up to date or builds on the first's layers.
+# One build at a time on this machine (two checkouts, or two make runs): they share $DLC_CACHE's
+# wheel caches, the build log and the engine's tags. A second build waits, then finds the image up to
+# date or builds on the first's layers.
 mkdir -p "$CACHE"
 exec 9>"$CACHE/image-build.lock"
 if ! flock -n 9; then

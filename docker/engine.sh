@@ -9,9 +9,6 @@
 # The client is always /usr/bin/docker from docker.io with DOCKER_BUILDKIT=1: a newer docker
 # CLI (28.x) insists on buildx for builds, which Debian does not package.
 set -euo pipefail
-# apt-get through one lock among this project's scripts and tests: make test's lanes install what
-# they lack side by side (docker.io, shellcheck, debootstrap, chromium), and two apt-gets at once fail
-apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 
 DOCKER=${DOCKER:-/usr/bin/docker}
 die() { echo "engine: error: $*" >&2; exit 1; }
@@ -23,7 +20,7 @@ if [ ! -x "$DOCKER" ]; then
   command -v apt-get >/dev/null || die "no $DOCKER and no apt-get: install a Docker engine (20.10 or newer) and set DOCKER=/path/to/docker"
   echo "engine: installing Debian's docker.io (apt-get)"
   log=/var/log/dlcluster-apt-docker.log
-  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq docker.io; } >"$log" 2>&1 \
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io; } >"$log" 2>&1 \
     || die "apt-get install docker.io failed; log: $log"
   [ -x "$DOCKER" ] || die "docker.io is installed but there is no $DOCKER: set DOCKER=/usr/bin/docker"
 fi

@@ -14,9 +14,6 @@
 # about 120 MB. The image is plain Debian (minbase + ca-certificates); docker/Dockerfile adds
 # Python and the rest.
 set -euo pipefail
-# apt-get through one lock among this project's scripts and tests: make test's lanes install what
-# they lack side by side (docker.io, shellcheck, debootstrap, chromium), and two apt-gets at once fail
-apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 
 # shellcheck source=versions.env
 . "$(dirname "$0")/../versions.env"  # PIN_CPU_BASE_IMAGE (the one place for each)
@@ -39,7 +36,7 @@ fi
 [ "$(id -u)" = 0 ] || die "debootstrap needs root"
 if ! command -v debootstrap >/dev/null; then
   echo "mkbase: installing debootstrap (apt-get)"
-  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq debootstrap; } \
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } \
     >/dev/null 2>&1 || die "apt-get install debootstrap failed; install it and run again"
 fi
 
@@ -48,7 +45,7 @@ fi
 KEYRING=${KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 if [ ! -s "$KEYRING" ]; then
   echo "mkbase: installing Debian's archive keyring (apt-get)"
-  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq debian-archive-keyring; } \
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debian-archive-keyring; } \
     >/dev/null 2>&1 || true
   [ -s "$KEYRING" ] || die "no keyring $KEYRING to check the packages' signatures: install debian-archive-keyring, or set KEYRING= to the keyring your mirror signs with"
 fi

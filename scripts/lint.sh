@@ -4,9 +4,6 @@
 # code is non-zero if any failed. LINT_JUNIT=FILE: also a JUnit XML report, a case per linter
 # (make test counts it like the other tiers).
 set -uo pipefail
-# apt-get through one lock among this project's scripts and tests: make test's lanes install what
-# they lack side by side (docker.io, shellcheck, debootstrap, chromium), and two apt-gets at once fail
-apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 cd "$(dirname "$0")/.." || exit 1
 
 cases=() failures=0 skipped=0
@@ -28,7 +25,7 @@ ansible_lint() {
 step ruff .venv/bin/ruff check .
 if ! command -v shellcheck >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "lint: installing Debian's shellcheck"
-  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq shellcheck; } >/dev/null 2>&1 || true
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; } >/dev/null 2>&1 || true
 fi
 if command -v shellcheck >/dev/null; then
   step shellcheck shellcheck scripts/*.sh docker/*.sh ray/*.sh tests/emulated/*.sh .ci/run

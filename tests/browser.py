@@ -15,7 +15,7 @@ def chromium() -> str | None:
     if found or os.geteuid() != 0 or not shutil.which("apt-get"):
         return found
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # one apt-get at a time among this project's: the cluster and emulated tiers run side by side
+    # one apt-get at a time: the cluster and emulated tiers run side by side and both may install it
     lock = ["flock", "-w", "900", "/var/lock/dlcluster-apt.lock"]
     for cmd in (["apt-get", "update", "-qq"],
                 ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]):
