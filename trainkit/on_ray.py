@@ -16,6 +16,7 @@ from pathlib import Path
 from . import cluster, flags, tracking
 from .contract import Job, Run, Timeline
 from .errors import UserError
+from .metrics import hold_until_exported, set_gauges
 from .onnx_export import Published
 from .progress import say
 from .publish import prepare_publishing, publish
@@ -24,12 +25,14 @@ from .store import Restored, hold_run, precheck
 
 class Attempts:
     """Every start of a run's workers on Ray, as rank 0 saw it: the epoch it resumed after, the
-    number of workers, when its first training step ended. A Ray actor pinned to the driver's
-    node, so it outlives lost workers (Ray Train 2.60 tells the workers nothing of restarts)."""
+    number of workers, when its first training step ended; and the run's training metrics as
+    Prometheus series (trainkit.metrics). A Ray actor pinned to the driver's node, so it outlives
+    lost workers (Ray Train 2.60 tells the workers nothing of restarts) and the run's last epoch."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.starts: list[dict] = []
         self.tracking: list[str] = []  # why the run's logging stopped on a worker, first first
+        self.exported: float | None = None  # the last epoch whose metrics this actor set
 
     def tracking_stopped(self, reason: str) -> None:
         self.tracking.append(reason)
@@ -46,6 +49,13 @@ class Attempts:
 
     def all(self) -> list[dict]:
         return self.starts
+
+    def export(self, job: str, run: str, metrics: dict) -> None:
+        if set_gauges(job, run, metrics, starts=len(self.starts) or None):
+            self.exported = metrics["epoch"]
+
+    def last_exported(self) -> float | None:
+        return self.exported
 
 
 def restarts_summary(starts: list[dict]) -> dict:
@@ -105,6 +115,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
 
                 final = fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
             else:
+                assert trainer_class is not None  # found before anything, above
                 trainer = trainer_class(
                     ray_worker, train_loop_config={"job": job, "run": run, "config": config},
                     scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
@@ -121,8 +132,16 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
             timeline.workers_started_at = first_start.get("started_at")
             timeline.first_step_at = first_start.get("first_step_at")
             with final as last:
+                if last is None:
+                    raise RuntimeError(f"run {run.name} finished without a checkpoint")
                 published = publish(job, run, config, last.folder, last.where, restarts, timeline,
                                     held_out.result())
+            # the Attempts actor holds the run's series and ends with this driver: not before its
+            # node's agent has the last epoch (seconds only after a short run; docs/metrics.md)
+            exported = ray.get(attempts.last_exported.remote())
+            waited = hold_until_exported(run.name, exported) if exported is not None else None
+            if waited is not None and waited >= 1:
+                say(job.name, f"run {run.name}: {waited:.1f} s until Ray's metrics agent had its last epoch")
             say(job.name, f"run {run.name}: {restarts['count']} restart(s)" + (
                 f", resumed after epoch(s) {', '.join(map(str, restarts['resumed_after_epochs']))}"
                 if restarts["count"] else ""))
@@ -130,7 +149,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
 
 
 @contextlib.contextmanager
-def ray_checkpoint(result, name: str) -> Iterator[Restored]:
+def ray_checkpoint(result, name: str) -> Iterator[Restored | None]:
     """A Ray trainer's final checkpoint, opened as a local folder."""
     if result.checkpoint is None:
         raise RuntimeError(f"run {name} finished without a checkpoint")

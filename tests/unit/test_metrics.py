@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -64,6 +65,52 @@ def test_an_epochs_metrics_reach_rays_metrics_agent():
     assert series(text, "ray_dlc_train_phase_seconds") == {
         tuple(sorted((*run, ("phase", p)))): v for p, v in
         (("dataflow", 1.5), ("processing", 3.0), ("epoch", 5.0))}
+
+
+def test_a_runs_series_outlive_its_workers_until_the_last_epoch_is_exported():
+    """On Ray, rank 0 hands each epoch to the run's Attempts actor on the driver's node: the
+    series come from it (with the starts counted), stay after the worker that trained is gone,
+    and the driver's hold returns once this node's agent exports the last epoch."""
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        from trainkit.cluster import on_this_node
+        from trainkit.metrics import hold_until_exported
+        from trainkit.on_ray import Attempts
+
+        attempts = on_this_node(Attempts)
+
+        @ray.remote(max_calls=1)  # the worker process ends after its task, as a run's workers do
+        def rank0(attempts):
+            import os
+
+            from trainkit.metrics import export_epoch
+
+            attempts.start.remote(0, 2, 0.0)
+            for epoch in (1, 2):
+                assert export_epoch("ddp_autoencoder", "run-2", {**EPOCH, "epoch": epoch}, attempts)
+            return os.getpid()
+
+        worker = ray.get(rank0.remote(attempts))
+        assert ray.get(attempts.last_exported.remote()) == 2
+        deadline = time.time() + 30
+        while psutil.pid_exists(worker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not psutil.pid_exists(worker), "the worker that trained did not end"
+        waited = hold_until_exported("run-2", 2, timeout=30)
+        assert waited is not None and waited < 30
+        port = ray.nodes()[0]["MetricsExportPort"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        # a run that never exported this epoch is not waited on past the timeout, and says so
+        assert hold_until_exported("run-2", 3, timeout=1) is None
+    finally:
+        ray.shutdown()
+    run = (("dlc_job", "ddp_autoencoder"), ("run", "run-2"))
+    assert series(text, "ray_dlc_train_epoch") == {run: 2.0}, text[-2000:]
+    assert series(text, "ray_dlc_train_starts") == {run: 1.0}
+    assert series(text, "ray_dlc_train_first_epoch_samples_per_second") == {run: 123.5}
 
 
 # ---- the metrics role's Prometheus configuration and alert rules, rendered by Ansible itself
