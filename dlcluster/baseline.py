@@ -19,14 +19,14 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlcluster.doctor import Finding, ssh
 from trainkit import record
 
-FORMAT = "dlcluster-baseline/1"
+FORMAT: Final = "dlcluster-baseline/1"
 IPERF_PORT = 5201  # iperf3's own; the firewall lets the private network reach any port
 
 
@@ -35,9 +35,12 @@ class NodePerf(BaseModel):
     cpu_step_s: float = Field(gt=0, description="seconds per step of the fixed batch on its CPUs (the "
                                                 "lower quartile of 40)")
     gpu_step_s: list[float] = Field(default_factory=list, description="the same on each GPU")
-    storage_write_mbps: float | None = Field(None, description="shared storage, MB/s written (fsync "
-                                                               "included)")
-    storage_read_mbps: float | None = Field(None, description="shared storage, MB/s read (cache dropped)")
+    storage_write_mbps: float | None = Field(
+        default=None,
+        description="shared storage, MB/s written (fsync included)")
+    storage_read_mbps: float | None = Field(
+        default=None,
+        description="shared storage, MB/s read (cache dropped)")
 
 
 class Allreduce(BaseModel):
@@ -53,8 +56,10 @@ class Perf(BaseModel):
     format: Literal["dlcluster-baseline/1"] = FORMAT
     cluster: str
     recorded: str = Field(description="UTC time of the measurement")
-    commit: str | None = Field(None, description="this checkout's commit when it was measured")
-    inventory_digest: str | None = Field(None, description="sha256 of the inventory it was provisioned from")
+    commit: str | None = Field(default=None, description="this checkout's commit when it was measured")
+    inventory_digest: str | None = Field(
+        default=None,
+        description="sha256 of the inventory it was provisioned from")
     nodes: dict[str, NodePerf]
     links: dict[str, float] = Field(default_factory=dict, description='"a~b": GB/s (1e9 bytes/s)')
     allreduce: Allreduce | None = None
@@ -104,6 +109,8 @@ def iperf(rec: record.ClusterRecord, client: record.Node, server: record.Node, s
           tries: int = 10) -> float:
     """GB/s from `client` to `server`'s private address: a one-off iperf3 server there (ends after
     one test, or after 30 s), then iperf3's client here, its JSON read."""
+    if server.ip is None:
+        raise RuntimeError(f"{server.name} has no private address in the cluster's record: make cluster-up")
     started = ssh(rec, server.name, "sh", "-c", f"command -v iperf3 >/dev/null || exit 7; "
                   f"nohup timeout 30 iperf3 -s -1 -p {IPERF_PORT} >/dev/null 2>&1 </dev/null &", timeout=60)
     if started.returncode == 7:
@@ -145,9 +152,9 @@ def links(rec: record.ClusterRecord, note=print,
 
 def allreduce(details: dict | None) -> Allreduce | None:
     """The largest size's row of the smoke's allreduce step (None when it did not run or failed)."""
-    rows = (details or {}).get("rows") or []
-    if not rows or (details or {}).get("error"):
+    if not details or not details.get("rows") or details.get("error"):
         return None
+    rows = details["rows"]
     top = max(rows, key=lambda r: r["bytes"])
     return Allreduce(backend=details["backend"], bytes=top["bytes"], busbw_gbps=top["busbw_gbs"])
 

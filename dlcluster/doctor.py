@@ -257,6 +257,8 @@ def _gpu(node, a) -> list[Finding]:
 
 def ssh(rec: record.ClusterRecord, host: str, *cmd: str, stdin: str | None = None,
         timeout: float = 120) -> subprocess.CompletedProcess:
+    if rec.ssh_config is None:
+        raise ValueError(f"cluster {rec.name} has no ssh config: it is not reached through a bastion")
     return subprocess.run(["ssh", "-F", rec.ssh_config, "-o", "BatchMode=yes", host,
                            " ".join(shlex.quote(c) for c in cmd)], input=stdin, text=True,
                           capture_output=True, timeout=timeout)
@@ -284,7 +286,7 @@ def clock(rec: record.ClusterRecord, node: record.Node) -> Clock | None:
         return None
 
 
-def alive(seen: list[dict] | None) -> dict[str, str]:
+def alive(seen: list[dict] | None) -> dict[str | None, str | None]:
     """Node ip -> Ray's node id, of the nodes the head lists alive (an ip may also have dead entries)."""
     return {n.get("node_ip"): n.get("node_id") for n in seen or [] if n.get("state") == "ALIVE"}
 

@@ -49,7 +49,10 @@ def norm(name: str) -> str:
 
 
 def name_of(requirement: str) -> str:
-    return norm(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group(0))
+    found = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+    if found is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return norm(found.group(0))
 
 
 def parse(path: Path) -> dict[str, tuple[str, list[str]]]:

@@ -37,6 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NoReturn
 
 from trainkit import record
 
@@ -54,9 +55,16 @@ authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 """
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     print(f"local_cluster: error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line that names the fix (its subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message.split(": ", 1)[-1] + "; see make help")
 
 
 def secret(name: str, make=lambda: secrets.token_hex(32)) -> Path:
@@ -477,11 +485,9 @@ def make_var(name: str, default: int, low: int, high: int | None = None):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="local_cluster", description=__doc__.split("\n\n")[0])
-    p.error = lambda message: fail(message.split(": ", 1)[-1] + "; see make help")
+    p = _Parser(prog="local_cluster", description=(__doc__ or "").split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start the head and worker nodes")
-    u.error = p.error
     u.add_argument("--nodes", **make_var("NODES", 2, 1, 64))
     u.add_argument("--cpus-per-node", help="default: this machine's cores / nodes, at least 1",
                    **make_var("CPUS_PER_NODE", 0, 0, 4096))

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from trainkit.errors import UserError
@@ -61,7 +62,7 @@ def link_target(repo: Path, name: str, staged: set[str]) -> str:
     return rel
 
 
-def stage(repo: Path, into: Path, named: list[str] = ()) -> list[str]:
+def stage(repo: Path, into: Path, named: Sequence[str] = ()) -> list[str]:
     """Copy the tracked files, the named ones and `.git/HEAD` (the commit, detached: no branch
     names, no config, no objects) into the empty folder `into`. A symlink is copied as a link to
     the same file of the upload, and only when that file travels too; no `.git` folder of a

@@ -169,7 +169,6 @@ def run_allreduce(a: argparse.Namespace) -> dict:
         return {"error": f"{a.num_workers} workers need {a.num_workers} nodes with {need} each, "
                          f"the cluster has {len(fit)}"}
 
-    @ray.remote(num_cpus=0)
     class Collector:
         def __init__(self):
             self.value = None
@@ -180,7 +179,7 @@ def run_allreduce(a: argparse.Namespace) -> dict:
         def get(self):
             return self.value
 
-    collector = Collector.remote()
+    collector = ray.remote(num_cpus=0)(Collector).remote()
     storage = a.storage_path
     if storage is None:
         from trainkit.flags import default_storage

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# make lint: ruff (Python), shellcheck (shell scripts; installed from Debian as root when missing),
+# make lint: ruff and mypy (Python), shellcheck (shell scripts; installed from Debian as root when missing),
 # yamllint and ansible-lint with the production profile (ansible/). Every linter runs; the exit
 # code is non-zero if any failed. LINT_JUNIT=FILE: also a JUnit XML report, a case per linter
 # (make test counts it like the other tiers).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+. ./versions.env  # DEFAULT_CACHE_IN_HOME
 
 cases=() failures=0 skipped=0
 step() {  # step NAME COMMAND...: run one linter, record its result
@@ -23,6 +24,10 @@ ansible_lint() {
 }
 
 step ruff .venv/bin/ruff check .
+# pyproject.toml's [tool.mypy] says what it checks; its cache is kept out of the checkout (whose
+# files travel with every job)
+step mypy .venv-ansible/bin/mypy --python-executable .venv/bin/python \
+  --cache-dir "${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}/mypy"
 if ! command -v shellcheck >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "lint: installing Debian's shellcheck"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; } >/dev/null 2>&1 || true

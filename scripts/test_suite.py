@@ -115,7 +115,7 @@ def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str) -> Result:
     proc = subprocess.Popen(command(target, args), cwd=REPO,
                             env=env, stdout=subprocess.PIPE if prefix else None,
                             stderr=subprocess.STDOUT if prefix else None, text=True, errors="replace")
-    if prefix:
+    if prefix and proc.stdout is not None:
         for line in proc.stdout:
             say(line.rstrip("\n"), prefix)
     rc = proc.wait()
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 if r.seconds > budget.get(r.tier, float("inf")) else "")
         print(f"{r.tier:<10} {r.passed:>7} {r.failed:>7} {r.skipped:>8} {r.seconds:>8.0f} "
               f"{budget.get(r.tier, '-'):>7}  {r.status}{over}")
-    total = Result("all", *(sum(getattr(r, k) for r in ordered) for k in ("passed", "failed", "skipped")),
-                   seconds=time.monotonic() - started)
+    passed, failed, skipped = (sum(getattr(r, k) for r in ordered) for k in ("passed", "failed", "skipped"))
+    total = Result("all", passed, failed, skipped, seconds=time.monotonic() - started)
     whole = f"warm {budget['warm']}, cold {budget['cold']}" if {"warm", "cold"} <= budget.keys() else "-"
     print(f"{'all':<10} {total.passed:>7} {total.failed:>7} {total.skipped:>8} {total.seconds:>8.0f} "
           f"{'':>7}  (wall clock; budget: {whole} s; reports: {a.reports})")

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class Run:
     lr: float
     use_gpu: bool
     keep_checkpoints: int = 3
-    attempts: object = None  # on Ray: the Attempts actor every start of the workers reports to
+    attempts: Any = None  # on Ray: the handle of the Attempts actor every start of the workers reports to
     # under the other launchers: where rank 0 (this process) marks its start and first step
     timeline: Timeline | None = field(default=None, compare=False)
     # where rank 0 logs the run's history (trainkit.tracking), or why it does not
@@ -161,7 +161,10 @@ class Run:
                    args.batch_size, args.lr, use_gpu, args.keep_checkpoints, attempts, timeline)
 
 
-class Job:
+W = TypeVar("W", bound=World)  # the framework's World
+
+
+class Job(Generic[W]):
     """What a job is: its name, frameworks and defaults here; its flags, data, model and step in
     the subclass. The framework base classes (`TorchJob`, `KerasJob`) supply `world`, `fit`,
     `load` and `export`."""
@@ -212,10 +215,10 @@ class Job:
         return {}
 
     # ---- the framework's part
-    def world(self, launcher: str, use_gpu: flags.UseGpu) -> World:
+    def world(self, launcher: str, use_gpu: flags.UseGpu) -> W:
         raise NotImplementedError
 
-    def fit(self, run: Run, config: JobConfig, world: World | None = None) -> None:
+    def fit(self, run: Run, config: JobConfig, world: W | None = None) -> None:
         raise NotImplementedError
 
     def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path) -> Exported:

@@ -86,7 +86,7 @@ def read_video(path: Path, size: tuple[int, int], limit: int | None = None) -> n
     import cv2
 
     cap = cv2.VideoCapture(str(path))
-    frames = []
+    frames: list[np.ndarray] = []
     try:
         while limit is None or len(frames) < limit:
             ok, bgr = cap.read()
@@ -106,7 +106,7 @@ def load_image(path: Path, size: tuple[int, int]) -> np.ndarray:
     """One image as H x W x 3 RGB uint8, resized; a corrupt file raises a one-line UserError."""
     try:
         with Image.open(path) as im:
-            return np.array(im.convert("RGB").resize((size[1], size[0]), Image.BILINEAR))
+            return np.array(im.convert("RGB").resize((size[1], size[0]), Image.Resampling.BILINEAR))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         reason = str(e).split("\n")[0]
         raise UserError(f"cannot read image {path} ({reason}); remove or replace the file") from None
@@ -159,6 +159,12 @@ class FrameSource:
         where = "built-in frames (scikit-learn's sample photographs)" if self.kind == "builtin" else self.path
         return f"{self.count} {self.kind} frames at {h}x{w} from {where}"
 
+    def folder(self) -> Path:
+        """The folder or video file of a source that is not built in."""
+        if self.path is None:
+            raise ValueError(f"{self.kind} frames have no path")
+        return Path(self.path)
+
 
 def inspect_frames(data: str | None, size: tuple[int, int], limit: int | None = None) -> FrameSource:
     """Check `--data` on the driver and count its frames; every problem is a one-line UserError."""
@@ -193,9 +199,9 @@ class FrameDataset:
         if source.kind == "builtin":
             self.frames = builtin_frames(source.count, source.size)
         elif source.kind == "video":
-            self.frames = read_video(Path(source.path), source.size, source.count)
+            self.frames = read_video(source.folder(), source.size, source.count)
         else:
-            self.files = list_images(Path(source.path))[: source.count]
+            self.files = list_images(source.folder())[: source.count]
         if len(self) != source.count:
             raise UserError(f"{source.path} changed while training started: expected {source.count} "
                             f"frames, found {len(self)}; keep the data set fixed during a run")
@@ -218,10 +224,10 @@ def frames_at(source: FrameSource, indices: list[int]) -> np.ndarray:
     if source.kind == "builtin":
         chosen = builtin_frames(source.count, source.size, indices)
     elif source.kind == "folder":
-        files = list_images(Path(source.path))[: source.count]
+        files = list_images(source.folder())[: source.count]
         chosen = np.stack([load_image(files[i], source.size) for i in indices])
     else:
-        chosen = read_video(Path(source.path), source.size, max(indices) + 1)[indices]
+        chosen = read_video(source.folder(), source.size, max(indices) + 1)[indices]
     return np.ascontiguousarray(chosen.transpose(0, 3, 1, 2)).astype(np.float32) / 255.0
 
 

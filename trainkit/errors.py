@@ -43,6 +43,6 @@ def find_user_error(exc: BaseException) -> UserError | None:
         # Ray Train V2 keeps the workers' exceptions in a dict rank -> exception.
         for inner in (getattr(e, "worker_failures", None) or {}).values():
             stack.append(inner)
-        if isinstance(getattr(e, "error", None), BaseException):
-            stack.append(e.error)
+        if isinstance(inner := getattr(e, "error", None), BaseException):
+            stack.append(inner)
     return None

@@ -51,6 +51,8 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
                 return None
             store = job.store(run, config, world)
             with store.latest() as last:
+                if last is None:
+                    raise RuntimeError(f"run {run.name} finished without a checkpoint")
                 # torchrun restarts its processes itself (--max-restarts) and says how often
                 count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
                 return publish(job, run, config, last.folder, last.where, {"count": count}, timeline)

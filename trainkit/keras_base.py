@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,6 +65,7 @@ def load(model, folder: Path) -> None:
                         "with its own flags, or use another --name for a new run") from None
 
 
+_Callback: Any  # Keras' Callback, where TensorFlow is installed
 try:
     import tf_keras as _keras
 

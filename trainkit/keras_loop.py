@@ -18,6 +18,7 @@ host's time between steps.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from .contract import Exported, Job, JobConfig, Run
 from .errors import UserError
 from .flags import UseGpu, positive_int
 from .keras_base import WEIGHTS, StepTimedReport, load
+
+if TYPE_CHECKING:
+    from .parameter_servers import PSWorld
 
 
 class KerasWorld:
@@ -88,7 +92,7 @@ class KerasWorld:
         return {"strategy": self.strategy_name}
 
 
-class KerasJob(Job):
+class KerasJob(Job["KerasWorld | PSWorld"]):
     """A tf-keras job: the subclass gives model(), compile() and datasets()."""
 
     framework = "tensorflow"
@@ -149,7 +153,7 @@ class KerasJob(Job):
         """(training, validation) tf.data sets, batched by `global_batch`."""
         raise NotImplementedError
 
-    def world(self, launcher: str, use_gpu: UseGpu):
+    def world(self, launcher: str, use_gpu: UseGpu) -> KerasWorld | PSWorld:
         """KerasWorld; under TF_CONFIG with parameter servers, the chief's PSWorld, while a parameter
         server or worker serves here until it is stopped (it never returns)."""
         from . import parameter_servers as ps
@@ -171,7 +175,7 @@ class KerasJob(Job):
             return parameter_servers.run_store(self, run, config)
         return super().store(run, config, world)
 
-    def fit(self, run: Run, config: JobConfig, world: KerasWorld | None = None) -> None:
+    def fit(self, run: Run, config: JobConfig, world: KerasWorld | PSWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         with world.strategy.scope():
@@ -180,9 +184,9 @@ class KerasJob(Job):
             start = self.resume(store, run, world, lambda folder: load(model, folder))
         if start is None:
             return
-        if world.strategy_name == "ps":
-            from . import parameter_servers
+        from . import parameter_servers
 
+        if isinstance(world, parameter_servers.PSWorld):
             parameter_servers.fit(self, run, config, world, model, store, start)
             return
         global_batch = run.batch_size * world.num_replicas

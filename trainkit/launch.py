@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 from .errors import UserError
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for every job driver
 
 
-def detect(env: dict | None = None) -> str:
-    env = os.environ if env is None else env
+def detect(given: Mapping[str, str] | None = None) -> str:
+    env = os.environ if given is None else given
     if "HOROVOD_RANK" in env:
         return "horovodrun"
     if "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= env.keys():
@@ -38,7 +39,7 @@ def detect(env: dict | None = None) -> str:
     return "local"
 
 
-def choose(flag: str, allowed: tuple[str, ...], job: str, env: dict | None = None) -> str:
+def choose(flag: str, allowed: tuple[str, ...], job: str, env: Mapping[str, str] | None = None) -> str:
     """The launcher to use: --launcher, or what the environment shows; one a job cannot run under
     is a one-line error."""
     found = detect(env) if flag == "auto" else flag
@@ -49,9 +50,9 @@ def choose(flag: str, allowed: tuple[str, ...], job: str, env: dict | None = Non
     return found
 
 
-def world_from_env(launcher: str, env: dict | None = None) -> tuple[int, int, int]:
+def world_from_env(launcher: str, given: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world size, local rank) a plain launcher gave this process."""
-    env = os.environ if env is None else env
+    env = os.environ if given is None else given
     try:
         if launcher == "torchrun":
             return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))

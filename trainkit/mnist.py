@@ -38,7 +38,8 @@ def builtin_digits() -> tuple[np.ndarray, np.ndarray]:
 
     d = load_digits()
     images = np.stack([
-        np.asarray(Image.fromarray((img * 255 / 16).astype(np.uint8)).resize((20, 20), Image.BILINEAR))
+        np.asarray(Image.fromarray((img * 255 / 16).astype(np.uint8))
+                   .resize((20, 20), Image.Resampling.BILINEAR))
         for img in d.images
     ])
     padded = np.zeros((len(images), 28, 28), dtype=np.uint8)

@@ -36,7 +36,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from .errors import UserError, find_user_error
 from .flags import Parser, UseGpu, positive_int
@@ -63,10 +65,10 @@ def roles_of(cluster: dict) -> dict:
     return {role: len(cluster.get(role, [])) for role in ROLES}
 
 
-def read_tf_config(env: dict | None = None) -> tuple[dict, str, int] | None:
+def read_tf_config(given: Mapping[str, str] | None = None) -> tuple[dict, str, int] | None:
     """(cluster, role, index) when TF_CONFIG describes a parameter-server cluster (it names "ps"
     tasks); None for any other. A malformed one is a one-line error."""
-    env = os.environ if env is None else env
+    env = os.environ if given is None else given
     text = env.get("TF_CONFIG")
     if not text:
         return None
@@ -150,7 +152,7 @@ class WorkerEvents(logging.Filter):
         lost, back = msg.startswith(self.LOST), msg.startswith(self.BACK)
         if not (lost or back):
             return not record.pathname.endswith(self.COORDINATOR)
-        device = str(record.args[0]) if record.args else ""
+        device = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
         index = int(device.rsplit("task:", 1)[-1]) if "task:" in device else -1
         with self.lock:
             if lost == (index in self.down):  # the same news again (one line per failed step)
@@ -312,7 +314,9 @@ class RolesOnRay:
     compute."""
 
     def __init__(self, job: str, plan, num_ps: int, max_failures: int):
-        self.group, self.actors, self.cluster = None, {}, {}
+        self.group: Any = None  # Ray's PlacementGroup
+        self.actors: dict[tuple[str, int], Any] = {}  # (role, index) -> its actor's handle
+        self.cluster: dict[str, list[str]] = {}  # TF_CONFIG's cluster: role -> addresses
         try:
             self._place(job, plan, num_ps, max_failures)
         except BaseException:  # what was placed is taken down again
@@ -382,7 +386,7 @@ class RolesOnRay:
 
 
 def fit_on_ray(job, run, config, plan, num_ps: int,
-               max_failures: int) -> contextlib.AbstractContextManager[Restored]:
+               max_failures: int) -> contextlib.AbstractContextManager[Restored | None]:
     """Train the run with its roles as Ray actors; its final checkpoint (`with` opens it). A lost
     worker is the coordinator's to handle (and Ray's to start again); a lost chief or parameter
     server ends the attempt at once, and the run starts again from its last checkpoint, up to

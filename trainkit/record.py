@@ -23,14 +23,14 @@ import shlex
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import EXIT_USER_ERROR, UserError
 
-FORMAT = "dlcluster-cluster/2"
+FORMAT: Final = "dlcluster-cluster/2"
 RECORD = "cluster.json"
 CLIENT_ENV = "ray-client.env"
 # Folders no upload carries. For `ray job submit` .gitignore and .rayignore name them (Ray's own
@@ -54,7 +54,7 @@ class Node(BaseModel):
     cpus: int = Field(ge=0, description="CPUs Ray offers on the node")
     gpus: int = Field(ge=0, description="GPUs Ray offers on the node")
     runtime: Literal["host", "docker"] | None = Field(
-        None, description="how Ray runs on this node: in the project's image (docker) or in a "
+        default=None, description="how Ray runs on this node: in the project's image (docker) or in a "
                           "Python environment on the node (host); null on the local cluster")
 
     @field_validator("ip")
@@ -70,33 +70,38 @@ class ClusterRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["dlcluster-cluster/2"] = Field(FORMAT, description="this record's format")
+    format: Literal["dlcluster-cluster/2"] = Field(default=FORMAT, description="this record's format")
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$",
                       description='"local" for the embedded cluster, else the inventory folder\'s name')
     kind: Literal["local", "ansible"]
     job_api: str = Field(description="http://HOST:PORT where this client reaches Ray's job API "
                                      "(for a remote cluster: the local end of the ssh tunnel)")
-    metrics_url: str | None = Field(None, description="http://HOST:PORT where this client reaches "
-                                                    "the cluster's Prometheus (the tunnel's local end); "
-                                                    "null where the cluster has none")
-    grafana_url: str | None = Field(None, description="http://HOST:PORT where this client reaches the "
-                                                    "cluster's Grafana (the tunnel's local end); null "
-                                                    "where the cluster has none")
-    grafana_password_path: str | None = Field(None, description="absolute path of Grafana's admin "
-                                                                "password on this client")
-    tracking_url: str | None = Field(None, description="http://HOST:PORT where this client reaches the "
-                                                     "cluster's MLflow tracking server (the tunnel's "
-                                                     "local end); null where the cluster has none")
-    tracking_auth_path: str | None = Field(None, description="absolute path of the tracking server's "
-                                                             "credentials (user:password, 0600) on "
-                                                             "this client")
+    metrics_url: str | None = Field(
+        default=None,
+        description="http://HOST:PORT where this client reaches the cluster's Prometheus (the tunnel's local"
+                    " end); null where the cluster has none")
+    grafana_url: str | None = Field(
+        default=None,
+        description="http://HOST:PORT where this client reaches the cluster's Grafana (the tunnel's local "
+                    "end); null where the cluster has none")
+    grafana_password_path: str | None = Field(
+        default=None,
+        description="absolute path of Grafana's admin password on this client")
+    tracking_url: str | None = Field(
+        default=None,
+        description="http://HOST:PORT where this client reaches the cluster's MLflow tracking server (the "
+                    "tunnel's local end); null where the cluster has none")
+    tracking_auth_path: str | None = Field(
+        default=None,
+        description="absolute path of the tracking server's credentials (user:password, 0600) on this client")
     token_path: str = Field(description="absolute path of the Ray token file on this client")
     nodes: list[Node] = Field(min_length=1, description="the nodes, exactly one of them the head")
-    ssh_config: str | None = Field(None, description="ssh config whose node entries ProxyJump "
-                                                     "through the bastion (set with bastion)")
-    bastion: str | None = Field(None, description="the bastion's Host in ssh_config")
-    storage: str | None = Field(None, description="shared storage path on the nodes")
-    inventory: str | None = Field(None, description="the Ansible inventory it was provisioned from")
+    ssh_config: str | None = Field(
+        default=None,
+        description="ssh config whose node entries ProxyJump through the bastion (set with bastion)")
+    bastion: str | None = Field(default=None, description="the bastion's Host in ssh_config")
+    storage: str | None = Field(default=None, description="shared storage path on the nodes")
+    inventory: str | None = Field(default=None, description="the Ansible inventory it was provisioned from")
 
     @field_validator("job_api", "metrics_url", "grafana_url", "tracking_url")
     @classmethod

@@ -80,7 +80,7 @@ def builtin_documents() -> list[tuple[str, str]]:
             if not LICENCE.search(str(f)):
                 continue
             try:
-                text = Path(dist.locate_file(f)).read_text(encoding="utf-8")
+                text = Path(str(dist.locate_file(f))).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
             digest = hashlib.sha256(text.encode()).digest()

@@ -186,7 +186,7 @@ class HorovodWorld(TorchWorld):
         self.hvd.shutdown()  # all ranks leave together (no "connection reset" from an early one)
 
 
-class TorchJob(Job):
+class TorchJob(Job[TorchWorld]):
     """A PyTorch job: the subclass gives model(), optimizer(), datasets() and step()."""
 
     framework = "torch"
@@ -367,7 +367,7 @@ class TorchJob(Job):
         seen, every = 0, max(1, len(loader) // 4)
         batches = timer.batches(loader) if timer else loader
         for i, batch in enumerate(batches, 1):
-            with timer.phase(phase) if timer else contextlib.nullcontext():
+            with timer.phase(phase) if timer and phase else contextlib.nullcontext():
                 batch = to_device(batch, world.device)
                 loss, stats = self.step(model, batch)
                 if optimizer is not None:

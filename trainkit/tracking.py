@@ -135,7 +135,7 @@ def why(e: Exception) -> str:
         return "the server is not reachable (connection refused)"
     if re.search(r"timed out|ReadTimeout|ConnectTimeout", text, re.IGNORECASE):
         return f"the server did not answer within {TIMEOUT_S} s"
-    status = STATUS_OF_ERROR_CODE.get(getattr(e, "error_code", None))
+    status = STATUS_OF_ERROR_CODE.get(str(getattr(e, "error_code", "")))
     answered = re.search(r"error code (\d{3})\b|\b(\d{3}) (?:Unauthorized|Forbidden)\b", text)
     if status is None and answered:
         status = int(answered.group(1) or answered.group(2))
@@ -271,7 +271,8 @@ def stopped(run: Run, reason: str) -> None:
     """The run's logging stopped for `reason`; the first reason is kept, here and, on Ray, in the
     run's Attempts actor, whose reasons the driver hands back (`stopped_on_workers`) before it
     publishes: the manifest names the cause, not what the server answered later."""
-    _stopped.setdefault(run.tracking.run_id, reason)
+    if run.tracking is not None:
+        _stopped.setdefault(run.tracking.run_id, reason)
     if run.attempts is not None:
         with contextlib.suppress(Exception):
             run.attempts.tracking_stopped.remote(reason)

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from dlcluster import plots
 from dlcluster.bench import fsdp, strategies
@@ -229,7 +230,7 @@ def folder_scale(n: int, a, current, work: Path) -> dict:
     """The driver's check alone (a fresh process: seconds, peak MiB), then submit to first step on
     Ray, for the built-in frames and for a folder of n JPEGs (each run one epoch of at most n)."""
     folder = frames_folder(n)
-    out = {"files": n}
+    out: dict[str, Any] = {"files": n}
     for label, where in (("builtin", ""), ("folder", str(folder))):
         count, secs, peak = subprocess.run([sys.executable, "-c", CHECK, where], cwd=REPO, check=True,
                                            capture_output=True, text=True).stdout.split()

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import pytest
@@ -408,6 +409,13 @@ class Context:
     stamp: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S"))
 
     @property
+    def client(self) -> Jobs:
+        """The job client: every step has one but the proxyjump step (smoke/run.py)."""
+        if self.jobs is None:
+            raise RuntimeError("this step runs jobs, but the suite opened no job client (--only proxyjump?)")
+        return self.jobs
+
+    @property
     def worker_nodes(self) -> list[dict]:
         """The nodes that take one training worker each: all with a CPU (a head started with
         --num-cpus 0 schedules nothing and is left out)."""
@@ -447,7 +455,7 @@ class Context:
 CONTEXT = pytest.StashKey[Context]()  # run.py puts the run's Context in the config's stash
 
 
-def fail(details: dict, message: str, **more) -> None:
+def fail(details: dict, message: str, **more) -> NoReturn:
     """Fail the running step: `message` is its error, `more` joins what `details` holds (the
     report's details of a failed step: {"error": message, **details})."""
     details.update(more)
@@ -461,12 +469,12 @@ def job_error(what: str, run: JobRun) -> str:
             + (f": {run.message.strip().splitlines()[-1]}" if run.message.strip() else ""))
 
 
-def failed_job(details: dict, what: str, run: JobRun) -> None:
+def failed_job(details: dict, what: str, run: JobRun) -> NoReturn:
     fail(details, job_error(what, run), job=run.summary(), log_tail=run.tail())
 
 
 def job_payload(ctx: Context, details: dict, label: str, argv: list[str], what: str) -> tuple[dict, JobRun]:
-    run = ctx.jobs.run(label, argv, ctx.deadline)
+    run = ctx.client.run(label, argv, ctx.deadline)
     if not run.ok:
         failed_job(details, what, run)
     payload = run.payload()

@@ -90,9 +90,9 @@ class SmokeReport:
             if e is None:
                 pass
             elif e.errisinstance(pytest.skip.Exception):
-                r.update(skipped=True, ok=False, details={"reason": e.value.msg})
+                r.update(skipped=True, ok=False, details={"reason": str(e.value)})
             elif e.errisinstance(pytest.fail.Exception):
-                r.update(ok=False, details={"error": e.value.msg, **r["details"]})
+                r.update(ok=False, details={"error": str(e.value), **r["details"]})
             else:  # a bug or an unexpected answer: the step fails, the others still run
                 r.update(ok=False, details={"error": f"{e.typename}: {e.value}", **r["details"]})
         if call.when == "teardown":
@@ -131,7 +131,7 @@ class SmokeReport:
         self.printed = True
 
     def summary_lines(self) -> list[str]:
-        return summary(self.report, self.path)
+        return summary(self.report, self.path) if self.report is not None else []
 
 
 def step_name(item: pytest.Item) -> str:

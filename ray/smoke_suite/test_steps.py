@@ -95,7 +95,8 @@ def test_perf(ctx: Context, details: dict):
     ref = baseline.latest(rec.name)
     base = ref[1] if ref else None
     only = [n for n in rec.nodes if n.name in a.nodes] if a.nodes else None  # --nodes
-    ips = ["--ips", ",".join(n.ip for n in only)] if only else []
+    addresses = [n.ip for n in only or [] if n.ip]  # none on the local cluster: its nodes share one
+    ips = ["--ips", ",".join(addresses)] if addresses else []
     payload, run = job_payload(ctx, details, "perf", ["python", "ray/smoke_checks.py", "perf", *ips],
                                "the perf job")
     nodes, found = baseline.from_payload(rec, payload)
@@ -171,7 +172,7 @@ def test_trainers(ctx: Context, details: dict):
         if time.monotonic() >= ctx.deadline:
             results[job].update(name=name, ok=False, error=f"{job}: no time left in the step")
             return
-        run = ctx.jobs.run(job, argv, ctx.deadline)
+        run = ctx.client.run(job, argv, ctx.deadline)
         results[job].update(name=name, **run.summary())
         if not run.ok:
             results[job].update(ok=False, error=job_error(job, run), log_tail=run.tail())
@@ -185,7 +186,7 @@ def test_trainers(ctx: Context, details: dict):
             for done in [pool.submit(train, job) for job in TRAINERS]:
                 done.result()
         except BaseException:  # the step's hard stop, Ctrl-C: no trainer outlives it
-            ctx.jobs.stop_all()
+            ctx.client.stop_all()
             raise
     # the check job finds each model through the run's record (published.json)
     models = [{"job": job, "name": r["name"], "storage_path": ctx.args.storage_path}
@@ -195,7 +196,7 @@ def test_trainers(ctx: Context, details: dict):
                 "--runs", json.dumps(models)]
         if ctx.args.clean:
             argv.append("--clean")
-        run = ctx.jobs.run("models", argv, max(ctx.deadline, time.monotonic() + 300))
+        run = ctx.client.run("models", argv, max(ctx.deadline, time.monotonic() + 300))
         payload = run.payload() if run.ok else None
         checked = {m["job"]: m for m in (payload or {}).get("models", [])}
         for m in models:
