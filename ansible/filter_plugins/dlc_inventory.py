@@ -4,10 +4,21 @@ the host, the variable and the fix.
 Used by roles/inventory_checks (`groups['ray_nodes'] | dlc_inventory_problems(hostvars, bastion)`), which
 stops the run on the first line; tests/unit/test_inventory.py holds a table of bad inventories.
 Only what the inventory sets is checked here: the roles' defaults are valid by construction.
+
+Each variable's type (and choices) is declared once, in its role's meta/argument_specs.yml, which
+Ansible also checks when the role starts: here every declared int, float, bool, list and dict is
+checked before any host is touched, every declared int named *_port is a port. What an argument
+spec cannot say stays here: ranges, patterns, addresses, networks and rules across variables.
 """
 
+import functools
 import ipaddress
 import re
+from pathlib import Path
+
+import yaml
+
+ROLES = Path(__file__).resolve().parent.parent / "roles"
 
 RUNTIMES = ("docker", "host")
 STORAGES = ("nfs", "path")
@@ -17,19 +28,17 @@ IMAGE_SOURCES = ("bastion", "registry", "archive", "control")
 PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir", "ray_home",
          "docker_image_dir", "dlc_registry_dir", "ray_tls_dir", "ray_tls_ca_dir")
 PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
-# whole numbers >= low ("" means "Ray decides" for the resources)
+# whole numbers >= low ("" means "Ray decides" for the resources: their specs say raw)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
            "dlc_ray_user_uid": 1, "ray_join_timeout": 1, "ray_upgrade_drain_timeout": 1,
            "ray_remove_timeout": 1, "dlc_registry_keep": 1, "ray_tls_days": 2,
            "ray_tls_renew_days": 1, "ray_tls_ca_days": 2,
            "docker_ship_poll_s": 1}  # (0 would make the image's shipping fire and forget)
-PORTS = ("ansible_port", "dlc_ray_gcs_port", "dlc_ray_dashboard_port", "dlc_ray_client_server_port",
-         "dlc_apt_proxy_port", "ray_object_manager_port", "ray_node_manager_port",
-         "ray_runtime_env_agent_port", "ray_dashboard_agent_grpc_port", "ray_metrics_export_port",
-         "ray_dashboard_agent_listen_port", "ray_min_worker_port", "ray_max_worker_port",
-         "dlc_registry_port", "dlc_registry_push_port", "docker_push_port", "dlc_prometheus_port",
-         "metrics_node_exporter_port", "metrics_dcgm_exporter_port", "dlc_grafana_port", "dlc_tracking_port",
-         "dlc_tunnel_port", "dlc_metrics_tunnel_port", "dlc_grafana_tunnel_port", "dlc_tracking_tunnel_port")
+# checked by the rules below in words of their own, not by their declared type alone
+OWN_RULES = ("dlc_ray_runtime", "docker_image_from", "dlc_shared_storage", "firewall_public_tcp_ports",
+             "ray_start_extra_args", "nvidia_unattended_upgrades_blacklist")
+KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false, unquoted",
+         "list": "a list, such as [a, b]", "dict": "a mapping, such as {key: value}"}
 # `ray start` flags (a list, one item per argument): each item is quoted where it is used (the
 # unit's ExecStart, the container's shell), so JSON such as '{"nvme": 1}' stays one argument; no
 # quote, `$`, `%`, backslash or line break, which systemd or the shell would still read
@@ -55,6 +64,54 @@ URL = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(/[A-Za-z0-9._~/-]*)?")
 # images pulled onto the nodes by reference and run as root: pinned by digest (a tag can move)
 PINNED_IMAGES = ("metrics_dcgm_exporter_image",)
 PINNED = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}")
+
+
+@functools.cache
+def declared() -> dict[str, tuple[str, dict]]:
+    """Every role variable's declaration: name -> (role, its option in meta/argument_specs.yml)."""
+    out = {}
+    for path in sorted(ROLES.glob("*/meta/argument_specs.yml")):
+        options = yaml.safe_load(path.read_text())["argument_specs"]["main"].get("options") or {}
+        out.update({name: (path.parts[-3], option) for name, option in options.items()})
+    return out
+
+
+def port_names() -> list[str]:
+    """Every declared port (an int named *_port) and ssh's."""
+    ints = (name for name, (_, option) in declared().items() if option["type"] == "int")
+    return ["ansible_port", *(name for name in ints if name.endswith("_port"))]
+
+
+def _is(kind: str, value) -> bool:
+    if kind == "int":
+        return _whole(value) is not None
+    if kind == "float":
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            return False
+        return not isinstance(value, bool)
+    return isinstance(value, {"bool": bool, "list": list, "dict": dict}[kind])
+
+
+def type_problems(host: str, hv) -> list:
+    """A value of another type than its role declares (meta/argument_specs.yml), or not one of its
+    choices: one line each."""
+    out = []
+    for name, (role, option) in declared().items():
+        if name not in hv or name in OWN_RULES or name in NUMBERS or name.endswith("_port"):
+            continue
+        try:
+            value, kind = hv[name], option["type"]
+        except Exception:  # noqa: BLE001 - a template this play cannot resolve (see _value)
+            continue
+        if kind in KINDS and not _is(kind, value):
+            out.append(f"{host}: {name} is {value!r}: give {KINDS[kind]} "
+                       f"(roles/{role}/meta/argument_specs.yml)")
+        elif "choices" in option and str(value) not in map(str, option["choices"]):
+            out.append(f"{host}: {name} is {value!r}: give one of {', '.join(map(str, option['choices']))} "
+                       f"(roles/{role}/meta/argument_specs.yml)")
+    return out
 
 
 def _value(hv, name):
@@ -155,7 +212,7 @@ def host_problems(host: str, hv) -> list:
             if n is None or n < low:
                 out.append(f"{host}: {name} is '{hv[name]}': it must be a whole number of at least "
                            f"{low}{' (or leave it out: Ray counts them)' if low == 0 else ''}")
-    for name in PORTS:
+    for name in port_names():
         if name in hv:
             n = _whole(hv[name])
             if n is None or not 1 <= n <= 65535:
@@ -170,8 +227,7 @@ def host_problems(host: str, hv) -> list:
     if not isinstance(held, list) or any(not isinstance(p, str) or re.search(r'["\\;{}\n]', p) for p in held):
         out.append(f"{host}: nvidia_unattended_upgrades_blacklist is {held!r}: give a list of package "
                    f"name patterns without quotes, backslashes, ; or braces (they go into an apt setting)")
-    if "ray_tls" in hv and not isinstance(hv["ray_tls"], bool):
-        out.append(f"{host}: ray_tls is {hv['ray_tls']!r}: give true or false (unquoted)")
+    out.extend(type_problems(host, hv))
     days, renew = _whole(hv.get("ray_tls_days", 825)), _whole(hv.get("ray_tls_renew_days", 30))
     if days is not None and renew is not None and renew >= days:
         out.append(f"{host}: ray_tls_renew_days {renew} is not below ray_tls_days {days}: every run would "
