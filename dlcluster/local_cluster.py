@@ -39,6 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import NoReturn
 
+from dlcluster import services
 from trainkit import record
 
 CONFIG = record.config_dir()
@@ -493,9 +494,10 @@ def main() -> None:
                    **make_var("CPUS_PER_NODE", 0, 0, 4096))
     u.add_argument("--object-store-mb", **make_var("OBJECT_STORE_MB", 512, 78))
     u.add_argument("--port", **make_var("RAY_PORT", 6379, 1024, 65535))
-    u.add_argument("--dashboard-port", **make_var("DASHBOARD_PORT", 8265, 1024, 65535))
-    u.add_argument("--metrics-port", **make_var("METRICS_PORT", 9090, 1024, 65535))
-    u.add_argument("--tracking-port", **make_var("TRACKING_PORT", 5000, 1024, 65535))
+    port = {s.make_var: s.default for s in services.services()}  # the tunnel's defaults, the same ports
+    u.add_argument("--dashboard-port", **make_var("DASHBOARD_PORT", port["DASHBOARD_PORT"], 1024, 65535))
+    u.add_argument("--metrics-port", **make_var("METRICS_PORT", port["METRICS_PORT"], 1024, 65535))
+    u.add_argument("--tracking-port", **make_var("TRACKING_PORT", port["TRACKING_PORT"], 1024, 65535))
     sub.add_parser("down", help="stop the nodes `up` started")
     sub.add_parser("status", help="nodes and resources")
     t = sub.add_parser("serve-tracking", help="(up starts it) the tracking server, its password in step")

@@ -37,18 +37,12 @@ fi
 [ -e "$INVENTORY" ] || die "no inventory $INVENTORY: copy ansible/inventories/example to ansible/inventories/<name> and edit it"
 inventory=$(realpath "$INVENTORY")
 [ -x .venv-ansible/bin/ansible-playbook ] || die "no .venv-ansible: run make setup"
-# The tunnel's local ends on this machine (make's defaults when run alone): ports, one each (ssh
-# would stop only at the end of the run)
-: "${DASHBOARD_PORT:=8265}" "${METRICS_PORT:=9090}" "${GRAFANA_PORT:=3000}" "${TRACKING_PORT:=5000}"
-declare -A ends=()
-for var in DASHBOARD_PORT METRICS_PORT GRAFANA_PORT TRACKING_PORT; do
-  port=${!var}
-  if ! [[ $port =~ ^[1-9][0-9]*$ ]] || ((port < 1024 || port > 65535)); then
-    die "$var=$port: the tunnel's local end must be a port from 1024 to 65535, free on this machine"
-  fi
-  [ -z "${ends[$port]:-}" ] || die "$var and ${ends[$port]} are both $port: give each end of the tunnel its own port"
-  ends[$port]=$var
-done
+[ -x .venv/bin/python ] || die "no .venv: run make setup"
+# The tunnel's local ends on this machine, one per service of roles/dlc's dlc_services (its Make
+# variable, else its default): ports, one each (ssh would stop only at the end of the run)
+tunnel=()
+ends=$(.venv/bin/python -m dlcluster.services tunnel-args 2>&1) || die "$ends"
+while read -r end; do tunnel+=(-e "$end"); done <<<"$ends"
 
 # The cluster's name is its inventory's folder (as roles/dlc works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
@@ -85,7 +79,7 @@ export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
-   -e "dlc_tunnel_port=$DASHBOARD_PORT" -e "dlc_metrics_tunnel_port=$METRICS_PORT" -e "dlc_grafana_tunnel_port=$GRAFANA_PORT" -e "dlc_tracking_tunnel_port=$TRACKING_PORT" "${removal[@]}" "${extra[@]}" "$playbook") 9>&- 2>&1 | tee "$log"
+   "${tunnel[@]}" "${removal[@]}" "${extra[@]}" "$playbook") 9>&- 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then
