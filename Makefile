@@ -48,7 +48,7 @@ ANSIBLE_ARGS    ?=
 SMOKE_ARGS      ?=
 # extra flags for make doctor (dlcluster doctor --help), e.g. --min-free-gb 10
 DOCTOR_ARGS     ?=
-# make doctor QUARANTINE=1: take each worker with a finding out of Ray; make release NODE=...: back;
+# make doctor QUARANTINE=1: take each worker with a finding out of Ray; make unquarantine NODE=...: back;
 # make remove-node NODE=...: the worker taken out of the cluster
 QUARANTINE      ?=
 NODE            ?=
@@ -66,7 +66,7 @@ PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
-        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor release emulate-up emulate-down emulate-purge emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor unquarantine emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -137,7 +137,7 @@ test-gpu: setup ## the GPU tier (tests/gpu): the jobs on CUDA, NCCL, Horovod's N
 stage-gpu: setup ## stage what a bare offline GPU machine lacks for the GPU tier into .gpu-stage (< 60 MiB; run there: scripts/gpu_tier.sh)
 	@scripts/stage_gpu.sh
 
-lint: setup ## ruff, shellcheck, yamllint and ansible-lint (production profile)
+lint: setup ## ruff, mypy, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh
 
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the three trainers, ProxyJump
@@ -149,9 +149,9 @@ baseline: setup ## record the cluster's performance baseline (no job running): p
 doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem (QUARANTINE=1: take bad workers out of Ray)
 	@$(PY) -m dlcluster doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
 
-release: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
-	@$(if $(NODE),,echo "release: error: name the node: make release NODE=<name in the cluster record>" >&2; exit 2)
-	@$(PY) -m dlcluster release $(NODE)
+unquarantine: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
+	@$(if $(NODE),,echo "release: error: name the node: make unquarantine NODE=<name in the cluster record>" >&2; exit 2)
+	@$(PY) -m dlcluster unquarantine $(NODE)
 
 bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
 	@$(PY) -m dlcluster bench $(ARGS)
@@ -176,7 +176,7 @@ CA_BUNDLE  ?=
 # 1: build even when the image there was built from the same inputs (its dlcluster.inputs label)
 IMAGE_REBUILD ?= 0
 export GPU IMAGE BASE_IMAGE CUDA_ARCHS CA_BUNDLE IMAGE_REBUILD
-.PHONY: wheels image-base image image-test test-image image-report
+.PHONY: wheels image-base image test-image image-report
 
 wheels: setup ## the wheelhouse of the lock's runtime part that image builds install from (no index)
 	@scripts/wheelhouse.sh
@@ -187,10 +187,8 @@ image-base: ## a Debian base image with no registry: debootstrap + docker import
 image: setup ## build the image: CPU here by default, GPU=1 for the CUDA one (docker/Dockerfile)
 	@docker/build.sh
 
-image-test: setup ## build the CPU image (layer cache reused), test inside it; compile the GPU Horovod
+test-image: setup ## the image tier: build the CPU image (layer cache reused), test inside it; compile the GPU Horovod
 	@$(PY) -m pytest tests/container $(PYTEST_ARGS)
-
-test-image: image-test ## the same as image-test (the test-* name of the tier)
 
 image-report: ## the image's size per layer group and its build times, cold and warm
 	@$(PYTHON) -m dlcluster image-report

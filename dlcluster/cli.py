@@ -76,8 +76,8 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command("changes nothing, unless --quarantine: then each worker with a finding is taken out "
                       "of Ray (a quarantine file, its Ray stopped)", "doctor", ("module", "dlcluster.doctor"),
                       flags=True),
-    "release": Command("puts the quarantined node NODE back into Ray (its quarantine file removed, Ray "
-                       "started)", "release", ("module", "dlcluster.doctor", "--release")),
+    "unquarantine": Command("puts the quarantined node NODE back into Ray (its quarantine file removed, "
+                            "Ray started)", "unquarantine", ("module", "dlcluster.doctor", "--unquarantine")),
     "bench": Command("runs jobs on the current cluster, changes no setting: Ray Train against each job's "
                      "own launcher; writes bench.json and plots under --out", "bench",
                      ("module", "dlcluster.bench.bench"), flags=True),

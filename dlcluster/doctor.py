@@ -5,7 +5,7 @@ wrong, the fix. Exit 1 on any finding; the whole report is clusters/<name>/docto
 
     dlcluster doctor [--min-free-gb 2] [--max-clock-offset 1.0] [--quarantine]
     dlcluster doctor --node NODE   (one node's findings only: make upgrade's check)
-    dlcluster doctor --release NODE
+    dlcluster doctor --unquarantine NODE
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
             continue
         if a.get("quarantine"):
             say(node.name, f"quarantined ({a['quarantine']}): Ray stays down there",
-                f"once it is fixed: make release NODE={node.name}")
+                f"once it is fixed: make unquarantine NODE={node.name}")
         elif a["service"] != "active":
             say(node.name, f"Ray's service dlc-ray is {a['service']}",
                 f"sudo systemctl restart dlc-ray on {node.name} (journalctl -u dlc-ray says why it stopped)")
@@ -367,7 +367,7 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
             if a.get("service") == "active" and not a.get("raylet"):
                 ask(rec, node, {"do": "stop"}, timeout=180)
                 lines.append(f"{node.name}: quarantined: the work it was drained of has ended; "
-                             f"its Ray stopped; make release NODE={node.name} once it is fixed")
+                             f"its Ray stopped; make unquarantine NODE={node.name} once it is fixed")
             continue
         if not mine:
             continue
@@ -382,30 +382,30 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
             lines.append(f"{node.name}: not quarantined: its quarantine file could not be written "
                          f"({wrote.get('error') or wrote.get('out')})")
             continue
-        release = f"make release NODE={node.name} once it is fixed"
+        back = f"make unquarantine NODE={node.name} once it is fixed"
         if node.ip in ids:
             drained = ask(rec, head, {"do": "drain", "node_id": ids[node.ip], "reason": reason,
                                       "runtime": head.runtime}, timeout=120)
             if drained.get("rc") != 0:
                 lines.append(f"{node.name}: quarantined, but Ray did not drain it "
                              f"({drained.get('error') or drained.get('out')}): its Ray keeps "
-                             f"running until stopped (sudo systemctl stop dlc-ray there); {release}")
+                             f"running until stopped (sudo systemctl stop dlc-ray there); {back}")
                 continue
             if not wait_until(rec, node, listed=False, timeout=drain_wait):  # busy: its work first
                 lines.append(f"{node.name}: quarantined: drained, no new work lands there; what "
                              "runs there finishes first (make doctor QUARANTINE=1 then stops its "
-                             f"Ray); {release}")
+                             f"Ray); {back}")
                 continue
         stopped = ask(rec, node, {"do": "stop"}, timeout=180)
         if stopped.get("rc") != 0:
             lines.append(f"{node.name}: quarantined, but its Ray did not stop "
-                         f"({stopped.get('error') or stopped.get('out')}); {release}")
+                         f"({stopped.get('error') or stopped.get('out')}); {back}")
             continue
-        lines.append(f"{node.name}: quarantined: out of Ray, its Ray stopped and kept down; {release}")
+        lines.append(f"{node.name}: quarantined: out of Ray, its Ray stopped and kept down; {back}")
     return lines
 
 
-def release(rec: record.ClusterRecord, name: str, timeout: float = 180) -> str:
+def unquarantine(rec: record.ClusterRecord, name: str, timeout: float = 180) -> str:
     """The quarantine file removed and Ray started on `name`; back once the head lists it alive."""
     node = next((n for n in rec.nodes if n.name == name), None)
     if node is None:
@@ -442,16 +442,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node", metavar="NODE",
                     help="name only this node's findings (all nodes are still asked: the head's "
                          "answers are the reference); its image is not compared with the others'")
-    ap.add_argument("--release", metavar="NODE",
-                    help="put a quarantined node back into Ray, then stop (make release NODE=...)")
+    ap.add_argument("--unquarantine", metavar="NODE",
+                    help="put a quarantined node back into Ray, then stop (make unquarantine NODE=...)")
     args = ap.parse_args(argv)
     try:
         rec = record.load(Path(args.config).expanduser() if args.config else None)
         if rec.kind != "ansible" or not rec.ssh_config:
             raise UserError(f"the current cluster {rec.name!r} is a local one: make doctor checks "
                             "servers brought up from an inventory (make cluster-up INVENTORY=...)")
-        if args.release:
-            print(f"doctor: {release(rec, args.release)}")
+        if args.unquarantine:
+            print(f"doctor: {unquarantine(rec, args.unquarantine)}")
             return
         if args.node and args.node not in {n.name for n in rec.nodes}:
             raise UserError(f"--node {args.node}: no such node in the cluster {rec.name}; one of "

@@ -175,14 +175,14 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     """node-2 told to run collectives over an interface it lacks (its Ray keeps running): make
     doctor QUARANTINE=1 names it and takes it out of Ray: the head drains it, it leaves Ray (idle),
     its Ray is stopped and stays down (also when told to start); a job submitted then trains on
-    node-1 and node-3. Fixed, make release NODE=node-2 puts it back, and make doctor finds nothing."""
+    node-1 and node-3. Fixed, make unquarantine NODE=node-2 puts it back, and make doctor finds nothing."""
     fault = "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
     emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth9')}' /etc/dlcluster/ray.env").check_returncode()
     try:
         proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--quarantine"], emulated.env, timeout=300)
         print(proc.stdout[-3000:], proc.stderr[-2000:])
         assert proc.returncode == 1
-        assert ("doctor: node-2: quarantined: out of Ray, its Ray stopped and kept down; make release "
+        assert ("doctor: node-2: quarantined: out of Ray, its Ray stopped and kept down; make unquarantine "
                 "NODE=node-2 once it is fixed") in proc.stdout.splitlines()
         alive = emulated.wait_for_nodes(2, timeout=120)
         assert alive == [NODES["node-1"], NODES["node-3"]], alive
@@ -202,12 +202,12 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
         assert sorted(published(emulated, name)["replica_hosts"]) == ["node-1", "node-3"]
     finally:  # fixed and released also when the test failed: node-2 is not left out of Ray
         emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth0')}' /etc/dlcluster/ray.env")
-        proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
+        proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", "node-2"], emulated.env,
                    timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == (
         "doctor: node-2 released: back in Ray (3 of 3 nodes alive)"), proc.stdout + proc.stderr
     pid = emulated.ssh("node-2", "systemctl show -p MainPID --value dlc-ray").stdout.strip()
-    again = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
+    again = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", "node-2"], emulated.env,
                 timeout=300)  # not quarantined any more: one line, its Ray untouched
     assert again.returncode == 2 and again.stderr == (
         "doctor: error: node-2: it is not quarantined; nothing changed (make doctor lists "
@@ -241,8 +241,9 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
         assert named[0] == "node-2" and all("node-2" in n for n in named), details["findings"]
         assert details["findings"][0]["what"].startswith("a step of the fixed batch takes "), named
         assert "[smoke] perf: node-2: a step of the fixed batch takes " in proc.stdout
-        assert details["quarantine"] == ["node-2: quarantined: out of Ray, its Ray stopped and kept down; "
-                                         "make release NODE=node-2 once it is fixed"], details["quarantine"]
+        assert details["quarantine"] == [
+            "node-2: quarantined: out of Ray, its Ray stopped and kept down; "
+            "make unquarantine NODE=node-2 once it is fixed"], details["quarantine"]
         assert Path(details["plot"]).read_bytes()[:4] == b"\x89PNG"
         # out of Ray as doctor --quarantine takes a node out (the test before this one trains a
         # job on the two left)
@@ -253,8 +254,8 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
             cpus = int(before) / 1e9 if int(before) else os.cpu_count()
             run(["docker", "update", "--cpus", str(cpus), "dlc-emu-node-2"], emulated.env, check=True)
         finally:  # released also when the test failed: node-2 is not left out of Ray
-            proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--release", "node-2"], emulated.env,
-                       timeout=300)
+            proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", "node-2"],
+                       emulated.env, timeout=300)
     assert proc.returncode == 0 and "back in Ray (3 of 3 nodes alive)" in proc.stdout, \
         proc.stdout + proc.stderr
     # the later cluster-ups (same servers, other config folders too) recorded no other baseline

@@ -194,7 +194,7 @@ def test_a_quarantined_node_is_one_line_and_the_head_is_never_quarantined():
     ray_nodes = [r for r in ray_nodes if r["node_ip"] != "172.31.251.12"]
     assert lines(rec, answers, ray_nodes, clocks) == [
         "node-2: quarantined (make doctor at 2026-11-25T04:30:00Z: MTU 9000 on eth0): Ray stays down "
-        "there: once it is fixed: make release NODE=node-2"]
+        "there: once it is fixed: make unquarantine NODE=node-2"]
     found = [doctor.Finding(node="node-1", what="its clock is not synchronised", fix="...")]
     report = {"nodes": answers, "ray_nodes": ray_nodes}
     assert doctor.quarantine(rec, found, report) == [  # asks no node: nothing to write
