@@ -150,7 +150,7 @@ doctor: setup ## every node of the running cluster checked at once and compared:
 	@$(PY) -m dlcluster doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
 
 unquarantine: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
-	@$(if $(NODE),,echo "release: error: name the node: make unquarantine NODE=<name in the cluster record>" >&2; exit 2)
+	@$(if $(NODE),,echo "unquarantine: error: name the node: make unquarantine NODE=<name in the cluster record>" >&2; exit 2)
 	@$(PY) -m dlcluster unquarantine $(NODE)
 
 bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
