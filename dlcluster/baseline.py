@@ -16,6 +16,7 @@ import datetime as dt
 import hashlib
 import itertools
 import json
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -222,24 +223,57 @@ def factor(base: Perf | None, now: Perf) -> float | None:
     return None
 
 
+def outliers(ratios: dict, limit: float) -> tuple[list, float]:
+    """Which of `ratios` (now against the baseline, above 1 is worse) exceed `limit` against
+    their own baseline and against the cluster's pace: the median of them all (the lower one of
+    two; 1 with a single one, which has no peers). A node is at fault when it falls behind the
+    others; when the median falls behind too, the cause is shared (new versions, the storage
+    server, load beside every node) and no node is to blame. Returns the keys named and the pace."""
+    pace = statistics.median_low(ratios.values()) if len(ratios) > 1 else 1.0
+    return [k for k, r in ratios.items() if r / max(pace, 1.0) > limit], pace
+
+
+def shared(headline: str, limit: str, ratios: dict, show, fix: str) -> Finding:
+    """One finding for a slowdown the median node shares, with each one's figure, worst first. It
+    names the cluster, not a node: quarantine takes none out for it."""
+    each = ", ".join(f"{k if isinstance(k, str) else f'{k[0]} GPU {k[1]}'} {show(r)}"
+                     for k, r in sorted(ratios.items(), key=lambda kv: -kv[1]))
+    return Finding(node="the cluster", what=f"{headline} ({limit}; each: {each})", fix=fix)
+
+
 def compare(base: Perf | None, now: Perf, th: Thresholds) -> list[Finding]:
     """One finding per node, link or all-reduce worse than its baseline by more than the threshold
-    (base None: only what needs no baseline, NCCL's bus bandwidth against the links)."""
+    (base None: only what needs no baseline, NCCL's bus bandwidth against the links). A node's
+    step and storage are held to its baseline and to the other nodes' (`outliers`): what every
+    node shares is one finding for all of them, which names no node to quarantine."""
     found: list[Finding] = []
     slow_fix = ("a CPU limit, throttling or another tenant on it? make doctor; make smoke "
                 "SMOKE_ARGS=--quarantine takes it out of Ray")
+    shared_fix = ("a cause the nodes share (new versions of torch or the images, load beside all of "
+                  "them), no node to quarantine; make baseline records a new baseline once this is the norm")
     if base:
-        for name, b in base.nodes.items():
-            n = now.nodes.get(name)
-            if n is None:
-                continue  # not measured: the perf job's own finding names it
-            if n.cpu_step_s > b.cpu_step_s * (1 + th.max_step_slowdown):
+        common = [name for name in base.nodes if name in now.nodes]  # unmeasured: the job's finding
+        step_limit, storage_limit = 1 + th.max_step_slowdown, 1 / th.min_storage_fraction
+        cpu = {k: now.nodes[k].cpu_step_s / base.nodes[k].cpu_step_s for k in common}
+        gpu = {(k, i): ng / bg for k in common
+               for i, (bg, ng) in enumerate(zip(base.nodes[k].gpu_step_s, now.nodes[k].gpu_step_s,
+                                                strict=False))}
+        storage = {what: {k: (bv / nv if nv else float("inf")) for k in common
+                          if (bv := getattr(base.nodes[k], f"storage_{attr}_mbps"))
+                          and (nv := getattr(now.nodes[k], f"storage_{attr}_mbps")) is not None}
+                   for what, attr in (("writes", "write"), ("reads", "read"))}
+        cpu_named, cpu_pace = outliers(cpu, step_limit)
+        gpu_named, gpu_pace = outliers(gpu, step_limit)
+        storage_named = {what: outliers(r, storage_limit) for what, r in storage.items()}
+        for name in common:
+            b, n = base.nodes[name], now.nodes[name]
+            if name in cpu_named:
                 found.append(Finding(node=name, what=(
                     f"a step of the fixed batch takes {n.cpu_step_s * 1e3:.1f} ms on its CPUs, "
                     f"{n.cpu_step_s / b.cpu_step_s:.2f}x its baseline {b.cpu_step_s * 1e3:.1f} ms "
                     f"(more than {th.max_step_slowdown:.0%} slower)"), fix=slow_fix))
             for i, (bg, ng) in enumerate(zip(b.gpu_step_s, n.gpu_step_s, strict=False)):
-                if ng > bg * (1 + th.max_step_slowdown):
+                if (name, i) in gpu_named:
                     found.append(Finding(node=name, what=(
                         f"GPU {i}: a step takes {ng * 1e3:.2f} ms, {ng / bg:.2f}x its baseline "
                         f"{bg * 1e3:.2f} ms (more than {th.max_step_slowdown:.0%} slower)"),
@@ -249,11 +283,27 @@ def compare(base: Perf | None, now: Perf, th: Thresholds) -> list[Finding]:
                                      f"baseline has {len(b.gpu_step_s)}", fix="make doctor (GPUs Ray sees)"))
             for what, bv, nv in (("writes", b.storage_write_mbps, n.storage_write_mbps),
                                  ("reads", b.storage_read_mbps, n.storage_read_mbps)):
-                if bv and nv is not None and nv < bv * th.min_storage_fraction:
+                if bv and nv is not None and name in storage_named[what][0]:
                     found.append(Finding(node=name, what=(
                         f"{what} the shared storage at {nv:.0f} MB/s, {nv / bv:.0%} of its baseline "
                         f"{bv:.0f} MB/s (below {th.min_storage_fraction:.0%})"),
-                        fix="the storage server's disks or the network to it; make doctor checks the mount"))
+                        fix="its network to the storage server (ip -s link; make doctor checks the mount)"))
+        slower = f"more than {th.max_step_slowdown:.0%} slower"
+        if cpu_pace > step_limit:
+            found.append(shared(f"a step of the fixed batch on its CPUs takes {cpu_pace:.2f}x its "
+                                "baseline on the median node", slower, cpu,
+                                lambda r: f"{r:.2f}x", shared_fix))
+        if gpu_pace > step_limit:
+            found.append(shared(f"a step takes {gpu_pace:.2f}x its baseline on the median GPU",
+                                slower, gpu, lambda r: f"{r:.2f}x",
+                                "nvidia-smi -q -d PERFORMANCE,CLOCK on each (a driver, clocks, power "
+                                "caps); " + shared_fix))
+        for what, (_, pace) in storage_named.items():
+            if pace > storage_limit:
+                found.append(shared(f"the shared storage: {what} at {1 / pace:.0%} of their baseline on "
+                                    "the median node", f"below {th.min_storage_fraction:.0%}", storage[what],
+                                    lambda r: f"{1 / r:.0%}", "the storage server's disks or its network "
+                                    "(make doctor checks the mount)"))
         for key, bv in base.links.items():
             nv = now.links.get(key)
             if nv is not None and nv < bv * th.min_link_fraction:

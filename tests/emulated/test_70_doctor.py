@@ -220,9 +220,10 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
 def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(emulated, tmp_path):
     """node-2's container gets 0.2 of a CPU (its cgroup's limit, as a noisy neighbour or a
     throttled machine would): make smoke's perf step names it against the baseline the first
-    cluster-up recorded (and nothing else but its links), and with --quarantine takes it out of
-    Ray (as make doctor QUARANTINE=1 does, whose test trains a job on the nodes left). Its CPUs
-    given back and released, it rejoins."""
+    cluster-up recorded (no other node: its links, and the cluster as a whole when the other
+    nodes are slowed alike by the tier beside this one), and with --quarantine takes it, and
+    only it, out of Ray (as make doctor QUARANTINE=1 does, whose test trains a job on the nodes
+    left). Its CPUs given back and released, it rejoins."""
     before = run(["docker", "inspect", "-f", "{{.HostConfig.NanoCpus}}", "dlc-emu-node-2"],
                  emulated.env, check=True).stdout.strip()
     report = tmp_path / "smoke.json"
@@ -241,7 +242,10 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
         assert proc.returncode == 1
         details = json.loads(report.read_text())["steps"][0]["details"]
         named = [f["node"] for f in details["findings"]]
-        assert named[0] == "node-2" and all("node-2" in n for n in named), details["findings"]
+        # node-1 and node-3 share this machine with the cluster tier's benches: when both were
+        # slowed alike (CI saw node-3 at 2.00x its baseline) it is the cluster's finding, not theirs
+        assert named[0] == "node-2" and all("node-2" in n or n == "the cluster" for n in named), \
+            details["findings"]
         assert details["findings"][0]["what"].startswith("a step of the fixed batch takes "), named
         assert "[smoke] perf: node-2: a step of the fixed batch takes " in proc.stdout
         assert details["quarantine"] == [
@@ -259,6 +263,10 @@ def test_a_slowed_node_is_named_against_its_baseline_quarantined_and_released(em
         finally:  # released also when the test failed: node-2 is not left out of Ray
             proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", "node-2"],
                        emulated.env, timeout=300)
+            for other in ("node-1", "node-3"):  # a wrong quarantine fails this test, not the next ones
+                if emulated.ssh(other, "sudo test -e /etc/dlcluster/quarantine").returncode == 0:
+                    run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", other],
+                        emulated.env, timeout=300)
     assert proc.returncode == 0 and "back in Ray (3 of 3 nodes alive)" in proc.stdout, \
         proc.stdout + proc.stderr
     # the later cluster-ups (same servers, other config folders too) recorded no other baseline
