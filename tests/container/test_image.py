@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainkit import versions
 
@@ -247,6 +248,27 @@ def test_autoencoder_tiny_epoch(image, tmp_path):
     # tree had changes)
     head = sh("git", "rev-parse", "HEAD").stdout.strip()
     assert manifest["git_commit"].startswith(head), (manifest["git_commit"], head)
+
+
+def test_grafana_gets_rays_dashboards_from_the_image_not_from_a_session_folder(image):
+    """The grafana role's task, as the head runs it (its argv, its code): Ray's own generators in
+    the image, no network, a read-only root, not root, make every dashboard Ray's dashboard writes
+    into its session folder (which jobs can write, and root would install from)."""
+    tasks = yaml.safe_load((REPO / "ansible/roles/grafana/tasks/install.yml").read_text())
+    task = next(t for t in tasks if t["name"].startswith("Make Ray's dashboards"))
+    role_vars = yaml.safe_load((REPO / "ansible/roles/grafana/vars/main.yml").read_text())
+    code = role_vars["grafana_ray_dashboards_code"]
+    argv = [{"{{ dlc_image }}": IMAGE, "{{ grafana_ray_dashboards_code }}": code}.get(a, a)
+            for a in task["ansible.builtin.command"]["argv"]]
+    assert argv[:2] == ["docker", "run"] and {"--network", "none", "--read-only"} <= set(argv), argv
+    proc = subprocess.run([DOCKER, *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = json.loads(proc.stdout)
+    import ray.dashboard.modules.metrics.metrics_head as head  # what Ray writes per session
+    written = set(re.findall(r'"(\w+_grafana_dashboard\.json)"', Path(head.__file__).read_text()))
+    assert written and written <= set(made), (sorted(written), sorted(made))
+    default = json.loads(made["default_grafana_dashboard.json"])
+    assert default["uid"] == "rayDefaultDashboard" and default["panels"], default.get("uid")
 
 
 def test_image_report(image, image_build):
