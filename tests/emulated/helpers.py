@@ -137,6 +137,36 @@ def elastic_run(emulated, name: str, epochs: int, limit: int = 1500,
 
 PROBE = (Path(__file__).parent / "probe.py").read_text()
 
+STRANGER = (Path(__file__).parent / "stranger.py").read_text()
+# the head's GCS, Ray Client server, dashboard (job API), dashboard agent and metrics (roles/ray)
+PORTS_OF_THE_HEAD = ["6379", "10001", "8265", "52365", "8080"]
+
+
+def member_certs(node: str, dest: Path) -> Path:
+    """A copy of `node`'s TLS folder (its key, its certificate, the CA's), as its Ray has them,
+    readable by a probing container's user."""
+    subprocess.run(["docker", "cp", f"dlc-emu-{node}:{TLS}", str(dest)], check=True)
+    dest.chmod(0o755)
+    for f in dest.iterdir():
+        f.chmod(0o644)
+    return dest
+
+
+def ask_ray(emulated, token: str | None, certs: Path | None, ip: int, *only: str) -> dict:
+    """stranger.py from a container of the project's image at 172.31.251.<ip> on the private
+    network: what the head's Ray services answer with that token (None: none) and those
+    certificates (None: no TLS)."""
+    env = {**emulated.env, **({"RAY_AUTH_TOKEN": token} if token else {})}
+    auth = ["-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN"] if token else []  # not in argv
+    tls = ["-v", f"{certs}:/tls:ro", "-e", "RAY_USE_TLS=1", "-e", "RAY_TLS_SERVER_CERT=/tls/node.crt",
+           "-e", "RAY_TLS_SERVER_KEY=/tls/node.key", "-e", "RAY_TLS_CA_CERT=/tls/ca.crt"] if certs else []
+    proc = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
+                           f"172.31.251.{ip}", *auth, *tls, "--entrypoint", "python",
+                           "dlcluster:cpu", "-", NODES["node-1"], *PORTS_OF_THE_HEAD, *only],
+                          input=STRANGER, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 def untouched(proc: subprocess.CompletedProcess) -> bool:
     """No node (nor the bastion) in the run's PLAY RECAP with a change: nothing was changed on

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from conftest import (
     NODES,
 )
-from helpers import TLS
+from helpers import TLS, ask_ray, member_certs
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-STRANGER = (Path(__file__).parent / "stranger.py").read_text()
-# the head's GCS, Ray Client server, dashboard (job API), dashboard agent and metrics (roles/ray)
-PORTS_OF_THE_HEAD = ["6379", "10001", "8265", "52365", "8080"]
 
 
 def test_a_stranger_on_the_private_network_without_the_token_gets_nothing_from_ray(emulated, tmp_path):
@@ -32,23 +24,10 @@ def test_a_stranger_on_the_private_network_without_the_token_gets_nothing_from_r
     private network, as docs/security.md says."""
     # a member's certificate: node-2's key and certificates, as its Ray has them (the test's own
     # copy, readable by the container's user)
-    certs = tmp_path / "tls"
-    subprocess.run(["docker", "cp", "dlc-emu-node-2:/etc/dlcluster/tls", str(certs)], check=True)
-    certs.chmod(0o755)
-    for f in certs.iterdir():
-        f.chmod(0o644)
+    certs = member_certs("node-2", tmp_path / "tls")
 
     def ask(token: str | None, cert: bool, ip: int, *only: str) -> dict:
-        env = {**emulated.env, **({"RAY_AUTH_TOKEN": token} if token else {})}
-        auth = ["-e", "RAY_AUTH_MODE=token", "-e", "RAY_AUTH_TOKEN"] if token else []  # not in argv
-        tls = ["-v", f"{certs}:/tls:ro", "-e", "RAY_USE_TLS=1", "-e", "RAY_TLS_SERVER_CERT=/tls/node.crt",
-               "-e", "RAY_TLS_SERVER_KEY=/tls/node.key", "-e", "RAY_TLS_CA_CERT=/tls/ca.crt"] if cert else []
-        proc = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
-                               f"172.31.251.{ip}", *auth, *tls, "--entrypoint", "python",
-                               "dlcluster:cpu", "-", NODES["node-1"], *PORTS_OF_THE_HEAD, *only],
-                              input=STRANGER, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return ask_ray(emulated, token, certs if cert else None, ip, *only)
 
     # with the token and a certificate first, until every service answers (the dashboard agent and
     # the Ray Client server come up a little after the nodes join): then each refusal below is the

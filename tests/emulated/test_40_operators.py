@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,7 +35,9 @@ from helpers import (
     TLS,
     _inventory,
     _jump_inventory,
+    ask_ray,
     job_status,
+    member_certs,
     operator,
     ray_pids,
     untouched,
@@ -199,7 +202,10 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     has the old one is told in one line to attach, which fetches the new one.
     The job that holds the cluster sleeps: what is proved is that a running job is waited for, not
     training. The changed inventory also renews Ray's TLS certificates (every one is within its
-    900 renewal days): each node gets a new one of the same CA, which Ray takes up when it restarts."""
+    900 renewal days): each node gets a new one of the same CA, which Ray takes up when it restarts.
+    rotate-token then gives Ray's TLS a new CA: every node a new certificate, and node-2's
+    certificate and key from before (what a removed server, or a copy of its key, holds) refused
+    by the GCS even with the new token."""
     before = ray_pids(emulated)
     serials = tls_serials(emulated)
     changed = _inventory(tmp_path, "emulated", EMULATED.replace(
@@ -260,6 +266,12 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     (folder / "ray_token").write_text(old + "\n")
     (folder / "ray_token").chmod(0o600)
     admin_old = (emulated.cluster_dir / "tracking_auth").read_text().strip()
+    # renewed by the refused run: new certificates of 1000 days, which the default inventory's
+    # interrupted run after it kept (valid, far from their end)
+    renewed = tls_serials(emulated)
+    assert all(renewed[n][0] != serials[n][0] for n in NODES), (serials, renewed)
+    assert all(renewed[n][1] > serials[n][1] + 100 * 86400 for n in NODES), (serials, renewed)
+    old_certs = member_certs("node-2", tmp_path / "tls-before")  # a member's, before the rotation
     again = emulated.cluster("rotate-token")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     CONVERGED["servers"] = True  # the default inventory's full run (checked below)
@@ -267,12 +279,22 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         args = emulated.ssh(node, "pgrep", "-af", "raylet/raylet").stdout
         assert "--object_store_memory=536870912" in args, (node, args[:300])
     assert ray_pids(emulated) != before
-    # renewed by the refused run: new certificates of 1000 days, which the default inventory's
-    # runs after it kept (valid, far from their end); Ray restarted with them (the GCS answers)
-    renewed = tls_serials(emulated)
-    assert all(renewed[n][0] != serials[n][0] for n in NODES), (serials, renewed)
-    assert all(renewed[n][1] > serials[n][1] + 100 * 86400 for n in NODES), (serials, renewed)
+    # a new CA: every node a new certificate of it (the inventory's 825 days again), Ray restarted
+    # with them (the GCS answers); node-2's certificate from before is refused, the new one taken
+    rotated = tls_serials(emulated)
+    assert all(rotated[n][0] != renewed[n][0] and rotated[n][1] < renewed[n][1] for n in NODES), \
+        (renewed, rotated)
+    new_certs = member_certs("node-2", tmp_path / "tls-after")
+    assert (new_certs / "ca.crt").read_text() != (old_certs / "ca.crt").read_text()
     assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+    with ThreadPoolExecutor(2) as pool:  # the refused one waits out Ray's connection timeouts
+        asked = [pool.submit(ask_ray, emulated, emulated.token(), certs, ip, "gcs-only")
+                 for certs, ip in ((old_certs, 55), (new_certs, 56))]
+        before_rotation, after_rotation = (f.result() for f in asked)
+    print("the old CA's certificate:", before_rotation, "the new one's:", after_rotation)
+    assert after_rotation["GCS"] == "3 nodes", after_rotation
+    assert not before_rotation["GCS"].endswith(" nodes"), before_rotation
+    assert "InvalidAuthToken" not in before_rotation["GCS"], before_rotation  # TLS's refusal, not the token's
     # the new token everywhere, never printed; the old one refused
     new = emulated.token()
     assert new != old and re.fullmatch(r"[0-9a-f]{64}", new) and new not in again.stdout + again.stderr

@@ -835,3 +835,42 @@ def test_ansible_finds_the_key_check_by_name(tmp_path):
                           cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "node-1: the signing key from https://k has fingerprint " in proc.stdout, proc.stdout[-2000:]
+
+
+def _ca_script(ca_dir: Path, new: bool) -> str:
+    """The ray role's CA task's script as the head runs it (tasks/tls.yml, rendered)."""
+    import jinja2
+
+    tasks = yaml.safe_load((REPO / "ansible/roles/ray/tasks/tls.yml").read_text())
+    task = next(t for t in tasks if t["name"].startswith("Make the cluster's CA on the head"))
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["bool"] = bool
+    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
+    return env.from_string(task["ansible.builtin.shell"]["cmd"]).render(
+        ray_tls_ca_dir=str(ca_dir), ray_tls_new_ca=new, ray_tls_ca_days=10, dlc_cluster_name="c")
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="no openssl on this machine")
+def test_the_ca_is_made_once_anew_only_when_asked_and_a_torn_pair_is_made_again(tmp_path):
+    """The real openssl script: made once, kept by a later run (a second operator's), replaced by
+    rotate-token's (ray_tls_new_ca), and made again when its key and certificate do not match (a
+    renewal torn between its two renames), which keeping would leave signing nothing Ray trusts."""
+    ca = tmp_path / "ca"
+
+    def run_ca(new: bool) -> tuple[str, str]:
+        out = subprocess.run(["sh", "-c", _ca_script(ca, new)], capture_output=True, text=True, check=True)
+        return out.stdout.strip(), (ca / "ca.crt").read_text()
+
+    made, first = run_ca(False)
+    assert made == "made" and oct((ca / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert run_ca(False) == ("", first)  # kept
+    rotated, second = run_ca(True)
+    assert rotated == "made" and second != first
+    (ca / "ca.crt").write_text(first)  # the new key beside the old certificate
+    torn, third = run_ca(False)
+    assert torn == "made" and third not in (first, second)
+    key = subprocess.run(["openssl", "pkey", "-in", str(ca / "ca.key"), "-pubout"], capture_output=True,
+                         text=True, check=True).stdout
+    cert = subprocess.run(["openssl", "x509", "-in", str(ca / "ca.crt"), "-noout", "-pubkey"],
+                          capture_output=True, text=True, check=True).stdout
+    assert key == cert
