@@ -94,6 +94,12 @@ def test_a_runs_series_outlive_its_workers_until_the_last_epoch_is_exported():
             return os.getpid()
 
         worker = ray.get(rank0.remote(attempts))
+        # the worker's export calls and this one come from two callers: Ray orders neither after
+        # the other, so the actor may not have taken epoch 2 yet (a run's driver holds on the
+        # agent's /metrics, not on this)
+        deadline = time.time() + 30
+        while ray.get(attempts.last_exported.remote()) != 2 and time.time() < deadline:
+            time.sleep(0.1)
         assert ray.get(attempts.last_exported.remote()) == 2
         deadline = time.time() + 30
         while psutil.pid_exists(worker) and time.time() < deadline:
