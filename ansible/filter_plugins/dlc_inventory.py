@@ -26,7 +26,7 @@ IMAGE_SOURCES = ("bastion", "registry", "archive", "control")
 # variables that must be absolute paths on the nodes; they go into unit files (ExecStart, Where=),
 # the exports, `docker run -v` and shell commands, so each is one word of plain characters
 PATHS = ("dlc_shared_storage_path", "dlc_venv", "ray_state_dir", "ray_temp_dir", "ray_home",
-         "docker_image_dir", "dlc_registry_dir", "ray_tls_dir", "ray_tls_ca_dir")
+         "docker_image_dir", "dlc_registry_dir", "ray_tls_dir", "ray_tls_ca_dir", "tracking_tls_dir")
 PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 # whole numbers >= low ("" means "Ray decides" for the resources: their specs say raw)
 NUMBERS = {"ray_num_cpus": 0, "ray_num_gpus": 0, "ray_object_store_memory": 78643200,
@@ -328,6 +328,10 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
             out.append(f"{host}: dlc_tracking_jobs_user is {jobs}, the run history's administrator "
                        f"(dlc_tracking_user): the jobs need an account of their own, which every node "
                        f"holds and which may not administer the run history: set another name")
+        if hv.get("ray_tls") is False and hv.get("dlc_tracking") is not False:
+            out.append(f"{host}: ray_tls is false, and the run history (dlc_tracking) takes its TLS "
+                       f"certificate from the cluster's CA, which ray_tls makes: set ray_tls: true, or "
+                       f"dlc_tracking: false")
         if ray is not None and _value(hv, "tracking_service_user") == str(ray):
             out.append(f"{host}: tracking_service_user is {ray}, Ray's account (dlc_ray_user): the run "
                        f"history needs an account of its own, so that jobs cannot read its database "

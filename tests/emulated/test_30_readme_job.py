@@ -283,7 +283,7 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     # nodes' address (the head's private one) beside it
     experiment, run_id = run_.info.experiment_id, run_.info.run_id
     link = tracking.run_page(r.tracking_url, experiment, run_id)  # in MLflow's model-training view
-    node_link = tracking.run_page(f"http://{NODES['node-1']}:5000", experiment, run_id)
+    node_link = tracking.run_page(f"https://{NODES['node-1']}:5000", experiment, run_id)  # its TLS end
     assert (manifest["tracking"]["page"], manifest["tracking"]["node_page"]) == (link, node_link)
     assert f"registered model: ddp_autoencoder version {version.version} (run history: {link} (on the " \
            f"cluster's network: {node_link}))" in readme_run.out, readme_run.out[-3000:]
@@ -308,4 +308,91 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     print(f"screenshot: {png}")
 
 
+# Every frame to and from the head on the private network, read in the head's network namespace
+# (AF_PACKET on its private interface) until the stop file appears: what it saw, as JSON.
+SNIFFER = """
+import json, os, socket, sys, time
+iface, stop, needles = sys.argv[1], sys.argv[2], [n.encode() for n in sys.argv[3:]]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3))  # ETH_P_ALL
+s.bind((iface, 0))
+s.settimeout(0.2)
+seen, frames, tls = {n.decode(): 0 for n in needles}, 0, 0
+while not os.path.exists(stop):
+    try:
+        frame = s.recv(65535)
+    except socket.timeout:
+        continue
+    frames += 1
+    if frame[12:14] == b"\\x08\\x00" and frame[23] == 6:  # IPv4, TCP: the ports after the IP header
+        ports = frame[14 + (frame[14] & 15) * 4:][:4]
+        tls += 5000 in (int.from_bytes(ports[:2], "big"), int.from_bytes(ports[2:], "big"))
+    for n in needles:
+        seen[n.decode()] += n in frame
+print(json.dumps({"frames": frames, "port_5000": tls, "seen": seen}))
+"""
+
+# A client on the private network, as a node's rank 0 is: MLflow's own client, the jobs' account,
+# the run history's URL and CA as every node's ray.env gives them.
+CLIENT = """
+import os, mlflow
+client = mlflow.MlflowClient(os.environ["DLC_TRACKING_URL"])
+print(len(client.search_experiments()), "experiment(s)")
+"""
+
+
+def test_the_run_historys_credentials_never_cross_the_network_in_the_clear(emulated, tmp_path):
+    """A sniffer in the head's network namespace sees every frame of the private network to and
+    from it while a client on that network (the project's image, the jobs' account, the URL and CA
+    certificate a node's ray.env names) asks the run history: the request succeeds over TLS, its
+    certificate checked against the cluster's CA, and no frame holds the credentials' header or
+    the password. The control: a plain HTTP request with a marker header to the head's dashboard
+    at the same time is seen, so the sniffer sees what crosses. Without the CA the client refuses
+    the server's certificate."""
+    env = dict(line.split("=", 1) for line in emulated.ssh("node-2", "cat", "/etc/dlcluster/ray.env"
+                                                            ).stdout.splitlines() if "=" in line and
+               not line.startswith("#"))
+    assert env["DLC_TRACKING_URL"] == f"https://{NODES['node-1']}:5000", env.get("DLC_TRACKING_URL")
+    jobs_user, jobs_password = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth"
+                                            ).stdout.strip().split(":", 1)
+    ca = tmp_path / "ca.crt"
+    ca.write_text(emulated.ssh("node-2", "cat", env["MLFLOW_TRACKING_SERVER_CERT_PATH"]).stdout)
+    pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", "dlc-emu-node-1"], emulated.env,
+              check=True).stdout.strip()
+    addrs = run(["nsenter", "-t", pid, "-n", "ip", "-o", "-4", "addr", "show"], emulated.env,
+                check=True).stdout
+    (iface,) = [line.split()[1] for line in addrs.splitlines() if f" {NODES['node-1']}/" in line]
+    stop = tmp_path / "stop"
+    marker = f"dlc-sniff-{time.time_ns()}"
+    basic = base64.b64encode(f"{jobs_user}:{jobs_password}".encode()).decode()
+    sniffer = subprocess.Popen(["nsenter", "-t", pid, "-n", str(BIN / "python"), "-c", SNIFFER, iface,
+                                str(stop), "Authorization: Basic", basic, jobs_password, marker],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def client(cert: Path | None) -> subprocess.CompletedProcess:
+        mount = ["-v", f"{ca}:/ca.crt:ro", "-e", "MLFLOW_TRACKING_SERVER_CERT_PATH=/ca.crt"] if cert else []
+        argv = ["docker", "run", "--rm", "--network", "dlc-emu-private", "--ip", "172.31.251.57",
+                "-e", f"DLC_TRACKING_URL={env['DLC_TRACKING_URL']}", "-e", "MLFLOW_TRACKING_USERNAME",
+                "-e", "MLFLOW_TRACKING_PASSWORD", "-e", "MLFLOW_HTTP_REQUEST_MAX_RETRIES=0", *mount,
+                "dlcluster:cpu", "python", "-c", CLIENT]  # the credentials from the environment, not argv
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                              env={**emulated.env, "MLFLOW_TRACKING_USERNAME": jobs_user,
+                                   "MLFLOW_TRACKING_PASSWORD": jobs_password})
+    try:
+        time.sleep(1)  # the socket bound
+        asked = client(ca)
+        control = emulated.ssh("node-2", "curl", "-s", "-o", "/dev/null", "-H", f"X-Dlc-Sniff: {marker}",
+                               f"http://{NODES['node-1']}:8265/api/version")
+        refused = client(None)  # no CA: the server's certificate is not one it trusts
+        time.sleep(1)
+    finally:
+        stop.touch()
+        out, err = sniffer.communicate(timeout=60)
+    assert sniffer.returncode == 0, err[-2000:]
+    saw = json.loads(out.strip().splitlines()[-1])
+    print("the client:", asked.stdout.strip(), asked.stderr[-300:], "| the sniffer:", saw)
+    assert asked.returncode == 0 and "experiment(s)" in asked.stdout, asked.stderr[-3000:]
+    assert control.returncode == 0 and saw["seen"][marker] >= 1, (control.stderr, saw)  # it sees what crosses
+    assert saw["port_5000"] >= 10, saw  # the client's exchange with the TLS end crossed where it looked
+    assert saw["seen"]["Authorization: Basic"] == saw["seen"][basic] == saw["seen"][jobs_password] == 0, saw
+    assert refused.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused.stderr[-2000:]
 

@@ -685,10 +685,12 @@ def test_numbers_given_on_the_command_line_are_cast_before_arithmetic():
     assert {k: v for k, v in found.items() if v} == {}
 
 
-def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets_in_files():
-    """roles/tracking's unit, rendered for both runtimes: MLflow's basic-auth app on the head's
-    private address, its database URI (a password) only in the 0640 environment file, never on
-    the command line `ps` shows; the docker runtime's container reads the same files."""
+def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_files():
+    """roles/tracking's units, rendered for both runtimes: MLflow's basic-auth app on the head's
+    loopback, its database URI (a password) only in the 0640 environment file, never on the
+    command line `ps` shows; the docker runtime's container reads the same files. Its TLS end
+    (stunnel, as the server's account, never without the firewall) takes the private address to
+    the loopback with the CA's certificate."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/tracking/templates"),
@@ -709,7 +711,7 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
         unit = env.get_template("dlc-mlflow.service.j2").render(**{**head, "dlc_ray_runtime": runtime})
         lines = unit.splitlines()
         start = next(line for line in lines if line.startswith("ExecStart="))
-        assert "--app-name basic-auth --host 10.0.0.1 --port 5000" in start, start
+        assert "--app-name basic-auth --host 127.0.0.1 --port 5000" in start, start
         assert "dbpw" not in unit and "pw" not in shlex.split(start)
         assert "Requires=postgresql.service" in lines and "RequiresMountsFor=/srv/data" in lines
         assert "Requires=dlc-firewall.service" in lines
@@ -720,6 +722,13 @@ def test_the_run_history_service_binds_the_private_address_and_keeps_its_secrets
         else:
             assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 998:997" in start
             assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
+    tls_unit = env.get_template("dlc-mlflow-tls.service.j2").render(**head).splitlines()
+    assert "ExecStart=/usr/bin/stunnel4 /etc/dlcluster/mlflow-tls.conf" in tls_unit
+    assert "User=dlc-mlflow" in tls_unit and "Requires=dlc-firewall.service" in tls_unit
+    tls = env.get_template("mlflow-tls.conf.j2").render(**head, tracking_tls_dir="/etc/t").splitlines()
+    assert ["accept = 10.0.0.1:5000", "connect = 127.0.0.1:5000", "cert = /etc/t/server.crt",
+            "key = /etc/t/server.key", "sslVersionMin = TLSv1.2"] == [
+        line for line in tls if line.split(" ")[0] in ("accept", "connect", "cert", "key", "sslVersionMin")]
     settings = env.get_template("mlflow.env.j2").render(**head)
     assert "MLFLOW_BACKEND_STORE_URI=postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow" in settings
     assert "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in settings

@@ -130,6 +130,9 @@ BAD = [
     ("blacklist-with-a-quote", on(VARS, "    nvidia_unattended_upgrades_blacklist: ['nv\"; };']\n"),
      "nvidia_unattended_upgrades_blacklist is ['nv\"; };']"),
     ("tls-a-string", on(VARS, "    ray_tls: 'no'\n"), "ray_tls is 'no': give true or false"),
+    ("tracking-without-tls", on(VARS, "    ray_tls: false\n"),
+     "ray_tls is false, and the run history (dlc_tracking) takes its TLS certificate from the "
+     "cluster's CA, which ray_tls makes: set ray_tls: true, or dlc_tracking: false"),
     ("tls-dir-relative", on(VARS, "    ray_tls_dir: etc/tls\n"),
      "ray_tls_dir is 'etc/tls', not an absolute path"),
     ("public-ports-not-a-list", on(VARS, "    firewall_public_tcp_ports: 22\n"),

@@ -117,13 +117,13 @@ def test_the_tunnel_forwards_each_service_the_cluster_runs(tmp_path):
     head = "172.31.251.11"
     assert forwards(ANSIBLE / "roles", tmp_path) == [
         f"127.0.0.1:8265:{head}:8265", f"127.0.0.1:9090:{head}:9090", f"127.0.0.1:3000:{head}:3000",
-        f"127.0.0.1:5000:{head}:5000"]
+        "127.0.0.1:5000:127.0.0.1:5000"]  # the run history listens on the head's loopback (head_loopback)
     # Grafana needs the metrics stack: off with either; the run history off alone
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_metrics=false", "-e", "dlc_tracking=false") == [
         f"127.0.0.1:8265:{head}:8265"]
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_grafana=false", "-e",
                     "dlc_tunnel_port=18265") == [
-        f"127.0.0.1:18265:{head}:8265", f"127.0.0.1:9090:{head}:9090", f"127.0.0.1:5000:{head}:5000"]
+        f"127.0.0.1:18265:{head}:8265", f"127.0.0.1:9090:{head}:9090", "127.0.0.1:5000:127.0.0.1:5000"]
 
 
 def test_a_fifth_service_is_one_entry_in_the_list(tmp_path, monkeypatch):
