@@ -355,7 +355,8 @@ def test_the_run_historys_credentials_never_cross_the_network_in_the_clear(emula
     jobs_user, jobs_password = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth"
                                             ).stdout.strip().split(":", 1)
     ca = tmp_path / "ca.crt"
-    ca.write_text(emulated.ssh("node-2", "cat", env["MLFLOW_TRACKING_SERVER_CERT_PATH"]).stdout)
+    ca.write_text(emulated.ssh("node-2", "sudo", "cat", env["MLFLOW_TRACKING_SERVER_CERT_PATH"]).stdout)
+    assert ca.read_text().startswith("-----BEGIN CERTIFICATE-----"), ca.read_text()[:200]
     pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", "dlc-emu-node-1"], emulated.env,
               check=True).stdout.strip()
     addrs = run(["nsenter", "-t", pid, "-n", "ip", "-o", "-4", "addr", "show"], emulated.env,
@@ -380,8 +381,9 @@ def test_the_run_historys_credentials_never_cross_the_network_in_the_clear(emula
     try:
         time.sleep(1)  # the socket bound
         asked = client(ca)
-        control = emulated.ssh("node-2", "curl", "-s", "-o", "/dev/null", "-H", f"X-Dlc-Sniff: {marker}",
-                               f"http://{NODES['node-1']}:8265/api/version")
+        # (ssh joins its arguments into one command line: the header quoted in it)
+        control = emulated.ssh("node-2", f"curl -s -o /dev/null -H 'X-Dlc-Sniff: {marker}' "
+                                         f"http://{NODES['node-1']}:8265/api/version")
         refused = client(None)  # no CA: the server's certificate is not one it trusts
         time.sleep(1)
     finally:
