@@ -91,7 +91,7 @@ if [ "$action" = upgrade ]; then
   echo "upgrade: cluster $name runs what $INVENTORY and this checkout say, every node checked after its restart (the log: $log)"
 fi
 if [ "$action" = remove-node ]; then
-  echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins)"
+  echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins); its TLS key is gone from it, and make rotate-token (a new CA, Ray restarted, no job running) refuses its certificate for good"
 fi
 
 # The first cluster-up of new servers records their performance baseline (make baseline) while they
