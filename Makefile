@@ -104,7 +104,7 @@ attach: setup ## INVENTORY set: use a running cluster from this machine (its tok
 rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
 	@$(PY) -m dlcluster rotate-token
 
-remove-node: setup ## INVENTORY set: take worker NODE out (drained in Ray, its Ray stopped and disabled, out of every list and the record)
+remove-node: setup ## INVENTORY set: take worker NODE out (drained, its Ray stopped, out of every list and the record; the cluster re-keyed)
 	@NODE=$(NODE) $(PY) -m dlcluster remove-node
 
 upgrade: setup ## INVENTORY set: roll a new image, environment or setting onto the running cluster, one worker at a time (drained, restarted, checked, rolled back on failure), the head last

@@ -76,6 +76,7 @@ export ANSIBLE_SSH_CONTROL_PATH_DIR
 export DLC_PROGRESS_DIR="$config/clusters/$name/progress"  # image shipping progress (callback_plugins/dlc_progress.py)
 export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 
+token_before=$(cksum <"$config/clusters/$name/ray_token" 2>/dev/null || true)  # remove-node: re-keyed?
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \
@@ -91,7 +92,12 @@ if [ "$action" = upgrade ]; then
   echo "upgrade: cluster $name runs what $INVENTORY and this checkout say, every node checked after its restart (the log: $log)"
 fi
 if [ "$action" = remove-node ]; then
-  echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins); its TLS key is gone from it, and make rotate-token (a new CA, Ray restarted, no job running) refuses its certificate for good"
+  if [ "$(cksum <"$config/clusters/$name/ray_token" 2>/dev/null || true)" != "$token_before" ]; then
+    keys="the cluster re-keyed (a new token, run-history credentials and CA; Ray restarted on every node): its token and certificate, or copies of them, are refused"
+  else
+    keys="its secrets are gone from it, and make rotate-token (a new token and CA, Ray restarted, no job running) refuses copies of them (dlc_remove_node_rekey: false kept the others running)"
+  fi
+  echo "remove-node: $NODE is out of cluster $name: drained, its Ray stopped and disabled, left out of every node list and the cluster record; $keys; now delete it from $INVENTORY (a cluster-up that still lists it provisions it again and it rejoins)"
 fi
 
 # The first cluster-up of new servers records their performance baseline (make baseline) while they

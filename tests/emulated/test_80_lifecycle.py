@@ -16,7 +16,18 @@ from conftest import (
     NODES,
     run,
 )
-from helpers import EMULATED, TLS, _inventory, elastic_run, published, ray_pids, registered, stop_run
+from helpers import (
+    EMULATED,
+    TLS,
+    _inventory,
+    ask_ray,
+    elastic_run,
+    member_certs,
+    published,
+    ray_pids,
+    registered,
+    stop_run,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -29,8 +40,10 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
     it and it joins; Ray on the three others is not restarted. make remove-node NODE=node-4 drains
     it, stops and disables its Ray, removes the cluster's secrets from it (token, TLS key, run-history
     credentials), and leaves it out of every node's /etc/hosts, the bastion's client list and the
-    cluster record, again restarting nothing else: Ray lists the three alive.
-    Bad NODE values are one line each before anything changes."""
+    cluster record; it re-keys the cluster (dlc_remove_node_rekey): a new token and CA, Ray restarted
+    on the three, so node-4's token and its certificate and key from before (a copy an intruder may
+    have taken) are refused by the GCS. Bad NODE values are one line each before anything changes.
+    (A re-key refused under a running job: test_40's changed-setting test.)"""
     make = ["make", "--no-print-directory", "remove-node"]
     for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
                                   "cannot be removed"),
@@ -59,14 +72,23 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         assert "node-4" in [n["name"] for n in desc["nodes"]]
         assert NODE4 in emulated.ssh("node-1", "getent hosts node-4").stdout
         assert NODE4 in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
+        old_certs, old_token = member_certs("node-4", tmp_path / "node-4-tls"), emulated.token()
         proc = run([*make, "NODE=node-4"], {**emulated.env, "INVENTORY": str(inventory)}, timeout=900)
         print(proc.stdout[-3000:], proc.stderr[-2000:])
         assert proc.returncode == 0
         assert ("remove-node: node-4 is out of cluster emulated: drained, its Ray stopped and disabled, "
-                "left out of every node list and the cluster record; now delete it from "
-                f"{inventory}") in proc.stdout
-        assert ray_pids(emulated) == pids
-        assert sorted(emulated.alive_nodes()) == sorted(NODES.values())
+                "left out of every node list and the cluster record; the cluster re-keyed (a new token, "
+                "run-history credentials and CA; Ray restarted on every node): its token and certificate, "
+                f"or copies of them, are refused; now delete it from {inventory}") in proc.stdout
+        after = ray_pids(emulated)
+        assert all(after[n] != pids[n] for n in NODES), (pids, after)
+        assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
+        new_token = emulated.token()
+        assert new_token != old_token and emulated.api("/api/jobs/", old_token)[0] in (401, 403)
+        # node-4's certificate and key, with the new token: TLS refuses them (a new CA)
+        asked = ask_ray(emulated, new_token, old_certs, 57, "gcs-only")
+        print("node-4's certificate after the re-key:", asked)
+        assert not asked["GCS"].endswith(" nodes") and "InvalidAuthToken" not in asked["GCS"], asked
         desc = json.loads((emulated.config / "cluster.json").read_text())
         assert sorted(n["name"] for n in desc["nodes"]) == sorted(NODES)
         state = emulated.ssh("node-4", "systemctl is-active dlc-ray; systemctl is-enabled dlc-ray; "

@@ -859,6 +859,79 @@ def _ca_script(ca_dir: Path, new: bool) -> str:
         ray_tls_ca_dir=str(ca_dir), ray_tls_new_ca=new, ray_tls_ca_days=10, dlc_cluster_name="c")
 
 
+DLC_CERT = REPO / "ansible/roles/ray/files/dlc-cert"
+
+
+def _task(path: str, name: str, **values) -> dict:
+    """A task of `path` with its strings rendered (Jinja, the few filters they use), dlc-cert this
+    checkout's."""
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["bool"] = bool
+
+    def render(v):
+        if isinstance(v, str):
+            return env.from_string(v).render(**values).replace("/usr/local/sbin/dlc-cert", str(DLC_CERT))
+        return [render(x) for x in v] if isinstance(v, list) else v
+    task = next(t for t in yaml.safe_load((REPO / path).read_text()) if t["name"].startswith(name))
+    module = next(k for k in task if k.startswith("ansible.builtin."))
+    return {k: render(v) for k, v in task[module].items() if k != "stdin"}  # stdin: the test's own
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="no openssl on this machine")
+def test_one_script_makes_the_nodes_and_the_run_historys_certificates_as_their_tasks_call_it(tmp_path):
+    """dlc-cert, run as roles/ray's tasks (request on the node, sign on the head, install) and
+    roles/tracking's (all on the head) call it: a certificate of the CA for the address, kept while
+    valid, made again for another address or a new CA."""
+    import grp
+
+    ca, node, server = tmp_path / "ca", tmp_path / "tls", tmp_path / "tracking"
+    node.mkdir()
+    server.mkdir()
+    subprocess.run(["sh", "-c", _ca_script(ca, False)], check=True, capture_output=True)
+    shutil.copy(ca / "ca.crt", node / "ca.crt")
+    group = grp.getgrgid(os.getgid()).gr_name
+    values = dict(ray_tls_dir=str(node), ray_tls_ca_dir=str(ca), ray_tls_days=30, ray_tls_renew_days=5,
+                  dlc_ray_user=group, inventory_hostname="node-2", dlc_node_ip="10.0.0.12",
+                  tracking_tls_dir=str(server), tracking_service_user=group, dlc_cluster_name="c")
+
+    def node_run(**more) -> str:
+        v = {**values, **more}
+        request = _task("ansible/roles/ray/tasks/tls.yml", "Check the node's certificate", **v)
+        csr = subprocess.run(["sh", "-c", request["cmd"]], capture_output=True, text=True, check=True).stdout
+        if csr:
+            sign = _task("ansible/roles/ray/tasks/tls.yml", "Sign the node's certificate", **v)
+            crt = subprocess.run(sign["argv"], input=csr, capture_output=True, text=True, check=True).stdout
+            install = _task("ansible/roles/ray/tasks/tls.yml", "Install the node's new key", **v)
+            subprocess.run(install["argv"], input=crt, capture_output=True, text=True, check=True)
+        return csr
+
+    def server_run(**more) -> str:
+        task = _task("ansible/roles/tracking/tasks/server.yml", "Give the TLS end a certificate",
+                     **{**values, **more})
+        return subprocess.run([task["executable"], "-c", task["cmd"]], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    def text(crt: Path) -> str:
+        return subprocess.run(["openssl", "x509", "-in", str(crt), "-noout", "-text"], capture_output=True,
+                              text=True, check=True).stdout
+
+    assert "CERTIFICATE REQUEST" in node_run()
+    first = (node / "node.crt").read_text()
+    assert "IP Address:10.0.0.12" in text(node / "node.crt") and "TLS Web Client Authentication" in text(
+        node / "node.crt")
+    assert oct((node / "node.key").stat().st_mode & 0o777) == "0o640"
+    assert node_run() == "" and (node / "node.crt").read_text() == first  # valid: kept
+    assert node_run(dlc_node_ip="10.0.0.1") and (node / "node.crt").read_text() != first  # a prefix of .12
+    assert server_run() == "made" and "IP Address:10.0.0.12" in text(server / "server.crt")
+    assert server_run() == ""
+    subprocess.run(["sh", "-c", _ca_script(ca, True)], check=True, capture_output=True)  # rotate-token's CA
+    assert server_run() == "made"
+    subprocess.run(["openssl", "verify", "-CAfile", str(ca / "ca.crt"), str(server / "server.crt")],
+                   check=True, capture_output=True)
+
+
 @pytest.mark.skipif(not shutil.which("openssl"), reason="no openssl on this machine")
 def test_the_ca_is_made_once_anew_only_when_asked_and_a_torn_pair_is_made_again(tmp_path):
     """The real openssl script: made once, kept by a later run (a second operator's), replaced by
