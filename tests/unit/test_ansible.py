@@ -859,6 +859,26 @@ def _ca_script(ca_dir: Path, new: bool) -> str:
         ray_tls_ca_dir=str(ca_dir), ray_tls_new_ca=new, ray_tls_ca_days=10, dlc_cluster_name="c")
 
 
+@pytest.mark.parametrize("rekey,action,new_ca", [
+    (None, "rotate-token", "True"), ("true", "rotate-token", "True"), ("false", "up", "False")])
+def test_remove_node_re_keys_unless_told_not_to(rekey, action, new_ca):
+    """cluster-remove-node.yml's plays run as rotate-token's (a new token and CA: the removed
+    server's copies refused) by default, and as a plain cluster-up's with dlc_remove_node_rekey:
+    false, as Ansible itself renders them (an -e value is a string)."""
+    plays = yaml.safe_load((ANSIBLE / "cluster-remove-node.yml").read_text())
+    shared = plays[0]["vars"]
+    assert all(p.get("vars", {}).get("control_action") == shared["control_action"] for p in plays
+               if "remove.yml" not in p["ansible.builtin.import_playbook"])  # every play but the node's own
+    expr = f"{shared['control_action']}|{shared['ray_tls_new_ca']}"
+    extra = ["-e", f"dlc_remove_node_rekey={rekey}"] if rekey else []
+    env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "HOME": str(Path.home())}
+    proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible"), "localhost", "-i", "localhost,", "-c",
+                           "local", *extra, "-m", "ansible.builtin.debug", "-a", f"msg={json.dumps(expr)}"],
+                          cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"msg: {action}|{new_ca}\n" in proc.stdout, proc.stdout[-2000:]  # (the YAML result format)
+
+
 DLC_CERT = REPO / "ansible/roles/ray/files/dlc-cert"
 
 
