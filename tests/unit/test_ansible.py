@@ -846,17 +846,32 @@ def test_ansible_finds_the_key_check_by_name(tmp_path):
     assert "node-1: the signing key from https://k has fingerprint " in proc.stdout, proc.stdout[-2000:]
 
 
-def _ca_script(ca_dir: Path, new: bool) -> str:
-    """The ray role's CA task's script as the head runs it (tasks/tls.yml, rendered)."""
+DLC_CERT = REPO / "ansible/roles/ray/files/dlc-cert"
+
+
+def _task(path: str, name: str, **values) -> dict:
+    """A task of `path` with its strings rendered (Jinja, the few filters they use), dlc-cert this
+    checkout's."""
     import jinja2
 
-    tasks = yaml.safe_load((REPO / "ansible/roles/ray/tasks/tls.yml").read_text())
-    task = next(t for t in tasks if t["name"].startswith("Make the cluster's CA on the head"))
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["bool"] = bool
-    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
-    return env.from_string(task["ansible.builtin.shell"]["cmd"]).render(
-        ray_tls_ca_dir=str(ca_dir), ray_tls_new_ca=new, ray_tls_ca_days=10, dlc_cluster_name="c")
+    env.filters["bool"] = bool  # Ansible's filters, for the Python values given here
+    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
+
+    def render(v):
+        if isinstance(v, str):
+            return env.from_string(v).render(**values).replace("/usr/local/sbin/dlc-cert", str(DLC_CERT))
+        return [render(x) for x in v] if isinstance(v, list) else v
+    task = next(t for t in _tasks(yaml.safe_load((REPO / path).read_text())) if t["name"].startswith(name))
+    module = next(k for k in task if k.startswith("ansible.builtin."))
+    return {k: render(v) for k, v in task[module].items() if k != "stdin"}  # stdin: the test's own
+
+
+def _ca_script(ca_dir: Path, new: bool) -> str:
+    """The ray role's CA task's script as the head runs it (tasks/tls.yml, rendered)."""
+    task = _task("ansible/roles/ray/tasks/tls.yml", "Make the cluster's CA on the head",
+                 ray_tls_ca_dir=str(ca_dir), ray_tls_new_ca=new, ray_tls_ca_days=10, dlc_cluster_name="c")
+    return task["cmd"]
 
 
 @pytest.mark.parametrize("rekey,action,new_ca", [
@@ -877,26 +892,6 @@ def test_remove_node_re_keys_unless_told_not_to(rekey, action, new_ca):
                           cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"msg: {action}|{new_ca}\n" in proc.stdout, proc.stdout[-2000:]  # (the YAML result format)
-
-
-DLC_CERT = REPO / "ansible/roles/ray/files/dlc-cert"
-
-
-def _task(path: str, name: str, **values) -> dict:
-    """A task of `path` with its strings rendered (Jinja, the few filters they use), dlc-cert this
-    checkout's."""
-    import jinja2
-
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["bool"] = bool
-
-    def render(v):
-        if isinstance(v, str):
-            return env.from_string(v).render(**values).replace("/usr/local/sbin/dlc-cert", str(DLC_CERT))
-        return [render(x) for x in v] if isinstance(v, list) else v
-    task = next(t for t in yaml.safe_load((REPO / path).read_text()) if t["name"].startswith(name))
-    module = next(k for k in task if k.startswith("ansible.builtin."))
-    return {k: render(v) for k, v in task[module].items() if k != "stdin"}  # stdin: the test's own
 
 
 @pytest.mark.skipif(not shutil.which("openssl"), reason="no openssl on this machine")
