@@ -39,7 +39,7 @@ PYTEST_ARGS     ?=
 UNIT_PROCS      ?= auto
 # make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn;
 # `then` starts the lanes after it once every lane before it has ended)
-TEST_LANES      ?= lint,unit,gpu,image then cluster emulated
+TEST_LANES      ?= lint,unit,gpu,cluster,image emulated
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
@@ -119,7 +119,7 @@ resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
-test: setup ## every tier, cheapest first (TEST_LANES: lint, unit, GPU, image, then local cluster beside emulated), a table, then `N passed, N failed, N skipped`
+test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), a table, then `N passed, N failed, N skipped`
 	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)

@@ -1,19 +1,19 @@
 """make test / make check: run test tiers in lanes, then one table and one closing line.
 
 Each argument is a lane: its tiers, joined by commas, run one after another; the lanes run side by
-side. `then` ends a stage: the lanes after it start when every lane before it has ended (make test:
-TEST_LANES, the cheap tiers in one lane, then the local cluster's tier beside the emulated one: each
-of those two leaves a core idle a third of the time on 2 cores, so side by side they take about 15
-minutes less than one after the other; docs/testing.md). Each tier is its own make target (make
+side. `then` ends a stage: the lanes after it start when every lane before it has ended. make test's
+TEST_LANES: the emulated tier, the longest, from the start in a lane of its own, and every other
+tier in turn beside it (each heavy tier alone leaves a core idle a third of the time on 2 cores;
+docs/testing.md). Each tier is its own make target (make
 test-unit, ...) run with `--junitxml`; the counts come from those JUnit reports (lint writes one
 too: a case per linter), never from scraping output. With more than one lane in a stage every output
 line starts with its tier's name. Every tier runs even after one failed, so the table is whole; the
 exit code is non-zero when any tier failed, errored, or ran no test. The last line printed is the
 suite's `N passed, N failed, N skipped`.
 
-    python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # make test
+    python scripts/test_suite.py lint,unit,gpu,cluster,image emulated         # make test
+    python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # cheap tiers, then heavy ones
     python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated         # one after another
-    python scripts/test_suite.py lint,unit,gpu,image,cluster emulated         # two lanes side by side
     python scripts/test_suite.py lint,unit                                    # make check
 """
 
