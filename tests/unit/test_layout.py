@@ -105,3 +105,10 @@ def test_path_tricks_outside_the_tests_do_not_grow():
               if re.search(r"sys\.path\.(insert|append)\(|^\s*@?PYTHONPATH=", line)]
     print(f"{len(tricks)} path tricks: {tricks}")
     assert len(tricks) <= ALLOWED_PATH_TRICKS, tricks
+
+
+def test_the_readme_stays_short_enough_to_read_through():
+    """At most 250 lines: the two commands, every Make target and variable, the measured figures;
+    the rest lives in docs/ (the run log among it: docs/testing.md)."""
+    lines = (REPO / "README.md").read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move detail to docs/ and link it"
