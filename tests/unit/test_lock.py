@@ -146,24 +146,3 @@ def test_a_pin_the_lock_does_not_have_is_one_line_naming_make_lock(copy):
     proc = envkey(root=copy, check=False)
     assert proc.returncode != 0 and proc.stderr.strip() == \
         "envkey: error: left-pad not in requirements.lock: run make lock"
-
-
-def test_the_image_builds_context_holds_the_wheels_but_not_pips_log(tmp_path):
-    """.dockerignore as Docker applies it (docker-py's exclude_paths, the client's own rules): the
-    wheelhouse's wheels and markers go into the build context, its pip.log does not (a GPU build's
-    first collection of tf/ rewrites it, which changed the stack step's mount and rebuilt its 4 GB
-    layer in the next CPU build)."""
-    from docker.utils.build import exclude_paths
-
-    files = [".whl/pip.log", ".whl/numpy-2.4.6-cp311-cp311-x.whl", ".whl/.complete", ".whl/tf/.complete",
-             ".whl/torch/requirements.txt", "trainkit/job.py", "jobs/ddp_autoencoder.py", "README.md",
-             "tests/unit/test_lock.py", ".prebuilt/key/horovod-0.28.1-cp311-x.whl"]
-    for name in files:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("x")
-    patterns = [line for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
-    sent = set(exclude_paths(str(tmp_path), patterns)) & set(files)
-    assert sent == {".whl/numpy-2.4.6-cp311-cp311-x.whl", ".whl/.complete", ".whl/tf/.complete",
-                    ".whl/torch/requirements.txt", "trainkit/job.py", "jobs/ddp_autoencoder.py",
-                    ".prebuilt/key/horovod-0.28.1-cp311-x.whl"}, sent
