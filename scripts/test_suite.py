@@ -8,8 +8,10 @@ docs/testing.md). Each tier is its own make target (make
 test-unit, ...) run with `--junitxml`; the counts come from those JUnit reports (lint writes one
 too: a case per linter), never from scraping output. With more than one lane in a stage every output
 line starts with its tier's name. Every tier runs even after one failed, so the table is whole; the
-exit code is non-zero when any tier failed, errored, or ran no test. The last line printed is the
-suite's `N passed, N failed, N skipped`.
+exit code is non-zero when any tier failed, errored, or ran no test. Above the table: each failed
+test with the first line of its failure (a CI log is often read from its tail only), and the least
+free disk seen during the run (a full disk fails tests far from its cause). The last line printed
+is the suite's `N passed, N failed, N skipped`.
 
     python scripts/test_suite.py lint,unit,gpu,cluster,image emulated         # make test
     python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # cheap tiers, then heavy ones
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -80,6 +83,42 @@ def counts(report: Path) -> tuple[int, int, int] | None:
         failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
         skipped += int(s.get("skipped", 0))
     return max(tests - failed - skipped, 0), failed, skipped
+
+
+def failures(report: Path, most: int = 8) -> list[str]:
+    """A line per failed or errored test of a JUnit report (at most `most`, then how many more):
+    the test and the first line of its failure."""
+    if not report.is_file():
+        return []
+    lines = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is None:
+            continue
+        first = next((ln.strip() for ln in (bad.get("message") or bad.text or "").splitlines() if ln.strip()),
+                     "(no message)")
+        lines.append(f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}: {first[:160]}")
+    return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
+
+
+class DiskWatch(threading.Thread):
+    """The least free space seen on `path`'s filesystem, every `every` seconds until stopped."""
+
+    def __init__(self, path: Path, every: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.path, self.every, self.done = path, every, threading.Event()
+        self.start_free = self.least = shutil.disk_usage(path).free
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.least = min(self.least, shutil.disk_usage(self.path).free)
+
+    def stop(self) -> str:
+        self.done.set()
+        self.least = min(self.least, shutil.disk_usage(self.path).free)
+        return (f"disk ({self.path}): {self.start_free / 1e9:.1f} GB free at the start, "
+                f"{self.least / 1e9:.1f} GB at the least")
 
 
 def judge(r: Result, got: tuple[int, int, int] | None) -> Result:
@@ -172,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             results[tier] = run_tier(tier, a.reports, pytest_args, prefix)
 
     started = time.monotonic()
+    disk = DiskWatch(a.reports)
+    disk.start()
     for stage in stages:
         if len(stage) > 1:
             say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in stage))
@@ -182,7 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
     ordered = [results[t] for t in order]
     budget = budgets()
-    print(f"\n{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8} {'budget':>7}  status")
+    for r in ordered:
+        if r.failed:
+            print(f"\nfailed in {r.tier}:")
+            for line in failures(a.reports / f"{r.tier}.xml"):
+                print(f"  {line}")
+    print(f"\n{disk.stop()}\n")
+    print(f"{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8} {'budget':>7}  status")
     for r in ordered:
         over = (f", {r.seconds - budget[r.tier]:.0f} s over its budget"
                 if r.seconds > budget.get(r.tier, float("inf")) else "")

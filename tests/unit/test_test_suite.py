@@ -55,6 +55,24 @@ def test_lanes_run_side_by_side_and_the_last_line_sums_every_tier(tiers, capsys)
     assert "SKIPPED" in out and "no GPU here" in out  # -ra: a skip keeps its reason
     # the second lane did not wait for the first: empty ended before mixed started
     assert out.index("==== empty: 0 passed") < out.index("==== mixed: the mixed tier")
+    # above the table, where a log's tail shows it: the failed test and its failure's first line,
+    # and the least free disk seen
+    start = out.index("failed in mixed:")
+    digest = out[start:out.index("\ntier ", start)].splitlines()
+    assert digest[1] == "  tier_mixed::test_bad: assert 1 == 2", digest
+    disk = r"disk \(.*reports\): [\d.]+ GB free at the start, [\d.]+ GB at the least"
+    assert re.fullmatch(disk, digest[3]), digest
+
+
+def test_many_failures_are_cut_to_a_few_lines_and_a_count(tmp_path):
+    fixture = "import pytest\n@pytest.fixture\ndef broken(): raise OSError('no space left')\n"
+    (tmp_path / "t.py").write_text(fixture + "".join(f"def test_{i}(broken): pass\n" for i in range(11)))
+    report = tmp_path / "r.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                    str(tmp_path / "t.py"), f"--junitxml={report}"], capture_output=True)
+    lines = test_suite.failures(report)
+    assert len(lines) == 9 and lines[-1] == "... and 3 more", lines
+    assert lines[0].startswith("t::test_0: failed on setup with") and "no space left" in lines[0], lines
 
 
 def test_then_starts_the_next_lanes_when_every_lane_before_it_has_ended(tiers, capsys):
