@@ -142,10 +142,26 @@ def node3_image(emulated) -> tuple[str, str]:
     return recorded, running.stdout.strip()
 
 
+def labelled_images(emulated) -> set[str]:
+    """The ids of node-3's images that carry the project's label (docker/Dockerfile)."""
+    return set(emulated.ssh("node-3", "sudo", "docker", "images", "-q", "--no-trunc", "--filter",
+                            "label=org.opencontainers.image.title=dlcluster").stdout.split())
+
+
+def import_image(emulated, tag: str, label: bool) -> str:
+    """An empty image made on node-3 (docker import), with the project's label or without: its id."""
+    change = "--change 'LABEL org.opencontainers.image.title=dlcluster' " if label else ""
+    proc = emulated.ssh("node-3", f"tar cf - -T /dev/null | sudo docker import {change}- {tag}")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running_job(emulated, tmp_path):
     """make upgrade to an image built from a later commit: only node-3 (the docker node) changes: it
     is drained, restarted on the new image, checked (make doctor for it, the perf step against its
-    baseline) and let back in; node-1 and node-2 keep their Ray processes. Then, while an elastic
+    baseline) and let back in; node-1 and node-2 keep their Ray processes. Before the new image comes,
+    node-3 keeps of the project's images only the one it runs (the previous one after the upgrade):
+    a stale one goes, another team's image stays. Then, while an elastic
     job runs with a worker on each node, an image whose `ray` cannot start: node-3 is drained (its
     worker stopped), does not rejoin, goes back to the previous image by id and rejoins, the run
     stops with one line, and the job finishes from its checkpoint with a verified model."""
@@ -175,6 +191,9 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
 
     old = node3_image(emulated)
     assert old[0] == old[1] == image_id("dlcluster:cpu")
+    stale = import_image(emulated, "dlc-stale:probe", True)
+    theirs = import_image(emulated, "site-tool:probe", False)
+    assert stale in labelled_images(emulated)
     pids = ray_pids(emulated)
     # a later image, no job running: node-3 measured against the baseline too (its CPU step; this
     # machine's 2 cores are shared by all three nodes)
@@ -187,6 +206,11 @@ def test_make_upgrade_rolls_a_new_image_on_and_a_broken_one_back_under_a_running
         proc.stdout[-3000:]
     new = image_id("dlcluster:cpu-next")
     assert node3_image(emulated) == (new, new) and new != old[0]
+    assert labelled_images(emulated) == {new, old[0]}  # the stale one gone, the previous kept
+    kept = emulated.ssh("node-3", "sudo", "docker", "image", "inspect", "--format", "{{.Id}}",
+                        "site-tool:probe")
+    assert kept.stdout.strip() == theirs, kept.stderr  # another team's image: not the project's to remove
+    emulated.ssh("node-3", "sudo", "docker", "rmi", "site-tool:probe")
     after = ray_pids(emulated)
     assert {n: after[n] for n in ("node-1", "node-2")} == {n: pids[n] for n in ("node-1", "node-2")}
     assert after["node-3"] != pids["node-3"]
