@@ -1,10 +1,11 @@
 """make upgrade's question about the jobs running now, answered with the harness's own parser:
 how often each restarts its workers from its checkpoint (--max-failures, and its default).
 
-    python -m dlcluster.jobs_plan < ANSWER.json   # the head's answer (roles/control/files/running_jobs.py)
+    python -m dlcluster.jobs_plan < ANSWER.json   # the head's answer (roles/control_host/files/
+                                                  # running_jobs.py)
 
 prints the same answer with `max_failures` on each job: a number for `python jobs/<job>.py ...`,
-null for anything else (unknown). The control role runs it on the control host (the project's
+null for anything else (unknown). The control_host role runs it on the control host (the project's
 Python) and the dlc_upgrade_refusal filter reads it, so Ansible's own environment never imports
 the harness.
 """

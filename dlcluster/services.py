@@ -1,5 +1,5 @@
 """The services an operator reaches through the ssh tunnel, as the one list declares them
-(ansible/roles/dlc/defaults/main.yml: `dlc_services`), for the operator's side: each service's
+(ansible/roles/cluster_defaults/defaults/main.yml: `dlc_services`), for the operator's side: each service's
 Make variable and its default (the default of its tunnel variable there), checked and handed to
 Ansible by scripts/cluster.sh:
 
@@ -21,14 +21,14 @@ import yaml
 
 from trainkit.errors import UserError
 
-DEFAULTS = Path(__file__).resolve().parents[1] / "ansible/roles/dlc/defaults/main.yml"
+DEFAULTS = Path(__file__).resolve().parents[1] / "ansible/roles/cluster_defaults/defaults/main.yml"
 
 
 @dataclass(frozen=True)
 class Service:
     name: str
     make_var: str  # the Make variable of the tunnel's local end on the control host
-    local_port: str  # roles/dlc's variable that scripts/cluster.sh sets to it
+    local_port: str  # roles/cluster_defaults's variable that scripts/cluster.sh sets to it
     head_port: str  # the variable of the head's port
     enabled: tuple[str, ...]  # the variables that turn it on, all of them (none: always on)
     record: str  # the cluster record's URL field (trainkit/record.py)

@@ -38,13 +38,13 @@ fi
 inventory=$(realpath "$INVENTORY")
 [ -x .venv-ansible/bin/ansible-playbook ] || die "no .venv-ansible: run make setup"
 [ -x .venv/bin/python ] || die "no .venv: run make setup"
-# The tunnel's local ends on this machine, one per service of roles/dlc's dlc_services (its Make
+# The tunnel's local ends on this machine, one per service of roles/cluster_defaults's dlc_services (its Make
 # variable, else its default): ports, one each (ssh would stop only at the end of the run)
 tunnel=()
 ends=$(.venv/bin/python -m dlcluster.services tunnel-args 2>&1) || die "$ends"
 while read -r end; do tunnel+=(-e "$end"); done <<<"$ends"
 
-# The cluster's name is its inventory's folder (as roles/dlc works it out).
+# The cluster's name is its inventory's folder (as roles/cluster_defaults works it out).
 if [ -d "$inventory" ]; then name=$(basename "$inventory"); else name=$(basename "$(dirname "$inventory")"); fi
 [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$ ]] \
   || die "the cluster's name is its inventory's folder, '$name': rename the folder to letters, digits, . _ - (it names the cluster's files and goes into the ssh config)"

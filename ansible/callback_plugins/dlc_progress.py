@@ -1,5 +1,5 @@
-"""Show how far a long transfer is, under its task: the docker role ships images asynchronously
-and its shipper (roles/docker/files/dlc_ship.py) keeps one line per node in
+"""Show how far a long transfer is, under its task: the node_image role ships images asynchronously
+and its shipper (roles/node_image/files/dlc_ship.py) keeps one line per node in
 $DLC_PROGRESS_DIR/<node>; an async poll prints that line, the first one and then at most one every
 PRINT_EVERY_S per node (the role polls more often: docker_ship_poll_s), so a long transfer shows a
 line every few seconds however often Ansible asks (scripts/cluster.sh sets the folder)."""
@@ -16,7 +16,7 @@ DOCUMENTATION = """
 name: dlc_progress
 type: notification
 short_description: print a shipping task's progress line at each async poll
-description: reads $DLC_PROGRESS_DIR/<host>, written by the docker role's shipper
+description: reads $DLC_PROGRESS_DIR/<host>, written by the node_image role's shipper
 """
 
 

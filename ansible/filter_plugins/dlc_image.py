@@ -1,6 +1,6 @@
-"""The docker role's estimate of the disk an image takes on a node that already holds some of it.
+"""The node_image role's estimate of the disk an image takes on a node that already holds some of it.
 
-Used by roles/docker (needs.yml); tests/unit/test_image_needs.py covers each case.
+Used by roles/node_image (needs.yml); tests/unit/test_image_needs.py covers each case.
   image_bytes_needed: the bytes of the image's layers the node lacks. Docker keeps layers by chain
                       (a layer with every one below it), so what a node has of an image is a prefix
                       of its layers: the longest any image on the node shares. `docker history`

@@ -161,7 +161,7 @@ def private_address(host: str, hv) -> str:
 
 
 def private_addresses(hosts: list[str], hostvars) -> dict[str, str]:
-    """host -> its private address, for plays on the control host (roles/dlc's dlc_node_ip is a
+    """host -> its private address, for plays on the control host (roles/cluster_defaults's dlc_node_ip is a
     node's own variable: the control host's play cannot read it through hostvars)."""
     return {h: private_address(h, hostvars[h]) for h in hosts}
 

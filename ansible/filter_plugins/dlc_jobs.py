@@ -4,7 +4,7 @@ Used by every path that restarts Ray (roles/ray: its settings; roles/docker_engi
 roles/firewall: turned off; roles/nvidia: the reboot for the driver; cluster-down; rotate-token);
 tests/unit/test_ansible.py covers each case.
   restart_refusal: "" when the restart may go ahead, else the one line that stops it: the node,
-                   what would restart, the jobs the head named before any role ran (roles/control,
+                   what would restart, the jobs the head named before any role ran (roles/control_host,
                    tasks/jobs.yml), what the restart does to them, and the way on.
   upgrade_refusal: make upgrade's question before any change: "" when a rolling upgrade may go
                    ahead under the jobs running now (each restarts from its checkpoint when its
@@ -21,7 +21,7 @@ WORKER = ("on a worker it stops the job's workers there: a job with --max-failur
 
 
 def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced) -> str:
-    """`control`: hostvars['localhost'], where roles/control keeps control_running_jobs."""
+    """`control`: hostvars['localhost'], where roles/control_host keeps control_running_jobs."""
     if _forced(forced):
         return ""
     jobs = control.get("control_running_jobs")
@@ -40,7 +40,7 @@ def _forced(value) -> bool:
 
 
 def upgrade_refusal(answer: dict, ray_version: str, forced) -> str:
-    """`answer`: what the head said (roles/control/files/running_jobs.py), each job with its
+    """`answer`: what the head said (roles/control_host/files/running_jobs.py), each job with its
     max_failures (dlcluster/jobs_plan.py; a job without one is unknown). A newer Ray cannot roll
     (Ray's nodes all run one version); a job that would not restart from its checkpoint when Ray
     restarts on one of its workers' nodes stops the upgrade unless forced."""

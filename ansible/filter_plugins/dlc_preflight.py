@@ -1,6 +1,6 @@
 """One line for each prerequisite cluster-up checks before it changes anything.
 
-Used by roles/control; tests/unit/test_ansible.py covers each case.
+Used by roles/control_host; tests/unit/test_ansible.py covers each case.
   bastion_problem:  a service was asked of the bastion (the package proxy) and the login there
                     has no passwordless sudo or no python3.
   package_problem:  nodes that cannot reach the package source they will use.

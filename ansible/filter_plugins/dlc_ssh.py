@@ -1,6 +1,6 @@
 """Turn a failed `ssh` into one line that names the host, the problem and the fix.
 
-Used by roles/control (preflight of the bastion and every node before anything changes);
+Used by roles/control_host (preflight of the bastion and every node before anything changes);
 tests/unit/test_ansible_filters.py covers each case.
 """
 

@@ -6,7 +6,7 @@
 #   up      a bastion on a public and a private docker network, three nodes on the private one
 #           only (systemd, sshd, an `ops` sudo account; node-3 may also run a Docker engine, for
 #           the docker runtime: the cgroup tree writable and its own disk for /var/lib/docker, so
-#           the engine the docker role installs runs containers), a docker volume mounted at
+#           the engine the docker_engine role installs runs containers), a docker volume mounted at
 #           /srv/dlcluster on every node as the operator-named shared storage, and the host
 #           blocked from the private network (iptables), so the only way in is ssh through the
 #           bastion. The ssh key is made here at run time ($DLC_CONFIG/emulated/id_ed25519) and
@@ -159,7 +159,7 @@ up() {
       --network "$PRIV_NET" --ip "$(node_ip "$n")" -v "$VOLUME:/srv/dlcluster" "$NODE_IMAGE" >/dev/null
     if [[ $DIND_NODES == *" $n "* ]]; then
       # as a site's own engine settings would: its containers' cgroups under the engine's own
-      # (cgroupfs, relative), not beside this machine's containers; the docker role keeps the file
+      # (cgroupfs, relative), not beside this machine's containers; the docker_engine role keeps the file
       "$DOCKER" exec "dlc-emu-$n" sh -c 'mkdir -p /etc/docker && [ -f /etc/docker/daemon.json ] ||
         echo "{\"cgroup-parent\": \"dlc-node\"}" >/etc/docker/daemon.json'
     fi

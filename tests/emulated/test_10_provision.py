@@ -156,7 +156,7 @@ def test_the_docker_node_got_the_image_from_the_bastions_registry(emulated):
         assert any(d.startswith(pulled) for d in json.loads(digests)), digests
     else:  # the same image from an earlier run of this commit, kept on node-3's disk: nothing to ship
         # (its pull reference may be gone: Docker drops it with the last tag of that repository)
-        push = r"TASK \[docker : Push the image[^\n]*\n(skipping: \[node-\d\]\n)*skipping: \[node-3\]"
+        push = r"TASK \[node_image : Push the image[^\n]*\n(skipping: \[node-\d\]\n)*skipping: \[node-3\]"
         assert re.search(push, emulated.up.stdout), emulated.up.stdout[-3000:]
     # either way the bastion's registry serves this very image under the tag the nodes pull
     manifest = emulated.ssh("node-3", "curl", "-sf", "-H",
@@ -216,7 +216,7 @@ def test_the_registry_serves_nodes_read_only_and_pushes_need_the_credential(emul
     assert local.stdout.splitlines()[0] == "401" and "Permission denied" in local.stderr
     assert [line.split()[3] for line in local.stdout.splitlines()[1:]] == ["127.0.0.1:5001"]
     assert not (emulated.cluster_dir / "registry_password").exists()  # no control host keeps it
-    ship = [str(REPO / ".venv-ansible/bin/python"), str(REPO / "ansible/roles/docker/files/dlc_ship.py"),
+    ship = [str(REPO / ".venv-ansible/bin/python"), str(REPO / "ansible/roles/node_image/files/dlc_ship.py"),
             f"--ssh-config={emulated.ssh_config}", f"--progress={tmp_path / 'progress'}", "push",
             "dlc-gc-probe:latest", "--bastion=bastion", f"--registry={at}",
             "--push-to=127.0.0.1:5001", "--local-port=35001"]

@@ -68,10 +68,10 @@ def held_job(emulated):
 
 
 def close_tunnel(env: dict) -> None:
-    """What cluster-down does on the client side only (roles/control: release.yml), for a second
+    """What cluster-down does on the client side only (roles/control_host: release.yml), for a second
     operator's tunnel: their cluster-down would stop Ray."""
     folder = Path(env["DLC_CONFIG"]) / "clusters/emulated"
-    digest = hashlib.sha1(str(folder).encode()).hexdigest()[:12]  # roles/control: control_tunnel_socket
+    digest = hashlib.sha1(str(folder).encode()).hexdigest()[:12]  # roles/control_host: control_tunnel_socket
     socket_path = Path(f"~/.ssh/dlc-tunnel-{digest}").expanduser()
     run(["ssh", "-F", str(folder / "ssh_config"), "-S", str(socket_path), "-O", "exit", "node-1"], env)
 

@@ -126,7 +126,8 @@ def _run_playbook_check(inventory: str, playbook: str) -> subprocess.CompletedPr
 ORDER_PLAY = """\
 - hosts: ray_nodes
   gather_facts: false
-  vars_files: [{ansible}/roles/dlc/defaults/main.yml, {ansible}/roles/shared_storage/vars/main.yml]
+  vars_files: [{ansible}/roles/cluster_defaults/defaults/main.yml,
+               {ansible}/roles/shared_storage/vars/main.yml]
   tasks:
     - ansible.builtin.set_fact:
         dlc_node_ip: "{{{{ dlc_node_ip }}}}"
@@ -197,7 +198,7 @@ def test_every_playbook_checks_the_inventory_first(playbook):
     or role that changes or contacts anything."""
     plays = _plays(ANSIBLE / playbook)
     assert plays[0]["hosts"] == "localhost" and plays[0]["connection"] == "local"
-    assert _first_steps(plays[0])[:2] == ["dlc", "inventory_checks"], _first_steps(plays[0])
+    assert _first_steps(plays[0])[:2] == ["cluster_defaults", "inventory_checks"], _first_steps(plays[0])
     assert all("inventory_checks" not in _first_steps(p) for p in plays[1:])
 
 
@@ -214,7 +215,7 @@ def test_every_role_is_tagged_and_the_checks_run_whatever_the_tags():
                 continue
             for role in play["roles"]:
                 assert isinstance(role, dict), (path.name, role)
-                want = ["always"] if role["role"] == "dlc" else [role["role"]]
+                want = ["always"] if role["role"] == "cluster_defaults" else [role["role"]]
                 assert role["tags"] == want, (path.name, role)
     assert sorted(always) == ["facts", "preflight", "record", "remove"]
     roles = {r["role"] for p in yaml.safe_load((ANSIBLE / "plays/nodes.yml").read_text()) for r in p["roles"]}
@@ -222,20 +223,20 @@ def test_every_role_is_tagged_and_the_checks_run_whatever_the_tags():
 
 
 def test_the_image_role_has_a_task_file_per_way_of_shipping():
-    """roles/docker's main.yml includes tasks/<docker_image_from>.yml: one file for each value the
+    """roles/node_image's main.yml includes tasks/<docker_image_from>.yml: one file for each value the
     inventory check accepts."""
     import dlc_inventory
 
-    files = {p.stem for p in (ANSIBLE / "roles/docker/tasks").glob("*.yml")}
+    files = {p.stem for p in (ANSIBLE / "roles/node_image/tasks").glob("*.yml")}
     assert set(dlc_inventory.IMAGE_SOURCES) <= files
-    main = yaml.safe_load((ANSIBLE / "roles/docker/tasks/main.yml").read_text())
+    main = yaml.safe_load((ANSIBLE / "roles/node_image/tasks/main.yml").read_text())
     assert any(t.get("ansible.builtin.include_tasks") == "{{ docker_image_from }}.yml" for t in main)
 
 
 def test_ray_version_default_is_the_projects_pin():
     pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     ray_pin = next(p for p in pins if p.startswith("ray[")).split("==")[1]
-    defaults = yaml.safe_load((ANSIBLE / "roles/dlc/defaults/main.yml").read_text())
+    defaults = yaml.safe_load((ANSIBLE / "roles/cluster_defaults/defaults/main.yml").read_text())
     assert defaults["dlc_ray_version"] == ray_pin
 
 
@@ -410,8 +411,8 @@ def test_firewall_rules_are_what_iptables_accepts():
 
 
 def _probe():
-    """The package-source probe cluster-up runs on every node (roles/control/files)."""
-    path = ANSIBLE / "roles/control/files/package_source.py"
+    """The package-source probe cluster-up runs on every node (roles/control_host/files)."""
+    path = ANSIBLE / "roles/control_host/files/package_source.py"
     spec = importlib.util.spec_from_file_location("package_source", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -615,7 +616,7 @@ def test_an_upgrade_under_jobs_that_would_not_restart_is_one_line_first():
         {"id": "a", "entrypoint": "python jobs/ddp_autoencoder.py --num-workers 2-3 --epochs 8"},
         {"id": "b", "entrypoint": "python  jobs/tf_cnn.py --max-failures=-1"}]}
     assert jobs_plan.max_failures(ok["jobs"][0]["entrypoint"]) == 3  # the harness's own default
-    # what the control role hands the filter: the answer with each job's max_failures, read on the
+    # what the control_host role hands the filter: the answer with each job's max_failures, read on the
     # project's Python by the same command the role runs
     proc = subprocess.run([sys.executable, "-m", "dlcluster.jobs_plan"], input=json.dumps(ok), cwd=REPO,
                           capture_output=True, text=True, check=True, timeout=60)

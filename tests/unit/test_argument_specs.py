@@ -5,6 +5,7 @@ line before any host is touched (roles/inventory_checks, through dlc_inventory).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,45 @@ def test_every_role_declares_each_variable_its_defaults_set(role):
         assert option["type"] in TYPES and str(option.get("description", "")).strip(), (role, name)
         if option["type"] == "list":
             assert option.get("elements") in TYPES, (role, name)
+
+
+# a role's variables start with its name, except where operators' inventories already used a prefix
+# the role's new name no longer carries (ansible/.ansible-lint: the rule this replaces)
+PREFIX = {"cluster_defaults": "dlc_", "node_image": "docker_", "control_host": "control_"}
+
+
+def _names(tasks) -> set[str]:
+    """The variables tasks define: registered results, set_fact keys, task and block vars."""
+    found: set[str] = set()
+    for task in tasks or []:
+        if not isinstance(task, dict):
+            continue
+        found |= {task["register"]} if "register" in task else set()
+        found |= set(task.get("vars") or {})
+        found |= {k for k in (task.get("ansible.builtin.set_fact") or {}) if k != "cacheable"}
+        for key in ("block", "rescue", "always"):
+            found |= _names(task.get(key))
+    return found
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_variable_a_role_defines_starts_with_its_prefix(role):
+    folder = ANSIBLE / "roles" / role
+    names: set[str] = set()
+    excused = set()  # a name whose line says why it keeps another's (# noqa: var-naming[no-role-prefix])
+    for path in folder.rglob("*.yml"):
+        excused |= set(re.findall(r"^\s*(?:register:\s*)?(\w+):?.*# noqa: var-naming\[no-role-prefix\]",
+                                  path.read_text(), re.M))
+    for sub in ("defaults", "vars"):
+        if (folder / sub / "main.yml").exists():
+            names |= set(yaml.safe_load((folder / sub / "main.yml").read_text()) or {})
+    for sub in ("tasks", "handlers"):
+        for path in sorted((folder / sub).glob("*.yml")):
+            names |= _names(yaml.safe_load(path.read_text()))
+    prefix = PREFIX.get(role, f"{role}_")
+    # ansible_*: Ansible's own (connection) variables, which a role may set for its hosts
+    others = sorted(n for n in names - excused if not n.startswith((prefix, "ansible_")))
+    assert names and not others, (role, prefix, others)
 
 
 VALIDATE_PLAY = """\

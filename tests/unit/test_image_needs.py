@@ -1,4 +1,4 @@
-"""The docker role's estimate of the disk a node needs for an image (ansible/filter_plugins/dlc_image.py),
+"""The node_image role's estimate of the disk a node needs for an image (ansible/filter_plugins/dlc_image.py),
 on the layers and history sizes of a real dlcluster:cpu (2026-11-29) and the images an emulated node held."""
 
 import sys

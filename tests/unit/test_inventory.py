@@ -300,10 +300,10 @@ def test_a_config_folder_inside_the_checkout_is_refused_before_anything_runs(con
 
 
 def test_a_held_tunnel_port_is_named_with_its_holder(tmp_path):
-    """roles/control's check before any server is touched (files/held_ports.py, as the play runs
+    """roles/control_host's check before any server is touched (files/held_ports.py, as the play runs
     it): a port a process listens on is named with that process and what it most likely is; a free
     one is not named."""
-    script = ANSIBLE / "roles/control/files/held_ports.py"
+    script = ANSIBLE / "roles/control_host/files/held_ports.py"
     # a process whose command line names MLflow, as the local cluster's run history's does
     holder = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.socket(); "
                                "s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); "

@@ -126,8 +126,9 @@ RENDER_PLAY = """
 - hosts: ray_nodes
   connection: local
   gather_facts: false
-  vars_files: [{a}/roles/dlc/defaults/main.yml, {a}/roles/ray/defaults/main.yml, {a}/roles/ray/vars/main.yml,
-               {a}/roles/metrics/defaults/main.yml, {a}/roles/grafana/defaults/main.yml]
+  vars_files: [{a}/roles/cluster_defaults/defaults/main.yml, {a}/roles/ray/defaults/main.yml,
+               {a}/roles/ray/vars/main.yml, {a}/roles/metrics/defaults/main.yml,
+               {a}/roles/grafana/defaults/main.yml]
   tasks:
     - ansible.builtin.set_fact:
         dlc_node_ip: "{{{{ dlc_node_ip }}}}"

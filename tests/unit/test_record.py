@@ -1,5 +1,5 @@
 """The cluster record: its model, its one-line errors, its two writers (the local cluster and the
-Ansible control role's template), and the client env made from it."""
+Ansible control_host role's template), and the client env made from it."""
 
 import json
 import os
@@ -94,11 +94,11 @@ def test_write_makes_the_cluster_current_with_its_client_env(tmp_path):
 
 
 def ansible_template(inventory: str, out: Path, cases: dict[str, dict]) -> dict[str, dict]:
-    """The control role's cluster.json.j2 written by Ansible itself (ansible-playbook, the
+    """The control_host role's cluster.json.j2 written by Ansible itself (ansible-playbook, the
     ansible.builtin.template task record.yml runs, on this machine), its filters Ansible's own and
     `groups` and `ansible_inventory_sources` those of the shipped inventory: one play per case of
     variables, all in one run. The records it wrote, by case."""
-    template = REPO / "ansible/roles/control/templates/cluster.json.j2"
+    template = REPO / "ansible/roles/control_host/templates/cluster.json.j2"
     plays = [{"name": case, "hosts": "localhost", "connection": "local", "gather_facts": False, "vars": facts,
               "tasks": [{"ansible.builtin.template": {"src": str(template), "dest": str(out / f"{case}.json"),
                                                       "mode": "0600"}}]}

@@ -1,4 +1,4 @@
-"""The services reached through the tunnel, declared once (roles/dlc's `dlc_services`): every
+"""The services reached through the tunnel, declared once (roles/cluster_defaults's `dlc_services`): every
 consumer agrees with the list, and a fifth service added to the list alone reaches the control
 role's tunnel and held-port check and scripts/cluster.sh's arguments."""
 
@@ -50,11 +50,11 @@ def test_the_makefile_and_the_readme_give_each_service_its_default():
 
 
 def test_no_consumer_lists_the_services_by_hand():
-    """scripts/cluster.sh and the control role's tasks loop over the list: none names a service's
+    """scripts/cluster.sh and the control_host role's tasks loop over the list: none names a service's
     Make variable or tunnel variable itself (the record's probes, one per service, may)."""
     cluster_sh = (REPO / "scripts/cluster.sh").read_text()
-    tunnel = (ANSIBLE / "roles/control/tasks/tunnel.yml").read_text()
-    held = (ANSIBLE / "roles/control/tasks/main.yml").read_text()
+    tunnel = (ANSIBLE / "roles/control_host/tasks/tunnel.yml").read_text()
+    held = (ANSIBLE / "roles/control_host/tasks/main.yml").read_text()
     for s in services.services():
         assert s.make_var not in cluster_sh and s.local_port not in cluster_sh, s.make_var
         assert s.make_var not in held, s.make_var
@@ -92,7 +92,7 @@ dlc_fifth: true
 FORWARDS_PLAY = """\
 - hosts: localhost
   gather_facts: false
-  vars_files: [{roles}/dlc/defaults/main.yml, {roles}/control/vars/main.yml]
+  vars_files: [{roles}/cluster_defaults/defaults/main.yml, {roles}/control_host/vars/main.yml]
   tasks:
     - ansible.builtin.debug:
         msg: "FORWARDS={{{{ control_forwards | map(attribute='forward') | join(',') }}}}"
@@ -131,9 +131,9 @@ def test_a_fifth_service_is_one_entry_in_the_list(tmp_path, monkeypatch):
     for by cluster.sh's arguments, with its Make variable checked like the others: nothing else
     changed."""
     roles = tmp_path / "roles"
-    shutil.copytree(ANSIBLE / "roles/dlc", roles / "dlc")
-    shutil.copytree(ANSIBLE / "roles/control", roles / "control")
-    defaults = roles / "dlc/defaults/main.yml"
+    shutil.copytree(ANSIBLE / "roles/cluster_defaults", roles / "cluster_defaults")
+    shutil.copytree(ANSIBLE / "roles/control_host", roles / "control_host")
+    defaults = roles / "cluster_defaults/defaults/main.yml"
     text = defaults.read_text()
     anchor = "# Local port of the ssh tunnel to the head's job API"
     defaults.write_text(text.replace(anchor, FIFTH + anchor, 1))

@@ -1,4 +1,4 @@
-"""Bring the project's image to a node, from the control host (the docker role runs this there).
+"""Bring the project's image to a node, from the control host (the node_image role runs this there).
 
   dlc_ship.py stream NODE SOURCE BYTES   SOURCE is image:NAME (this machine's engine, `docker save`)
                                          or an archive file (`docker save` output, gzip allowed):
