@@ -56,7 +56,9 @@ def test_a_stranger_on_the_private_network_without_the_token_gets_nothing_from_r
     assert stranger["job API"] == 401 and stranger["agent's job API"] == 401, stranger
     assert not stranger["GCS"].endswith(" nodes"), stranger
     assert not stranger["Ray Client"].endswith(" nodes"), stranger
-    assert stranger["agent's health"] == 200 and stranger["metrics"] == 200, stranger
+    # the agent's health answers without the token: 200, or 503 while its raylet is slow to answer
+    # it (once beside the cluster tier, 2026-11-29): an answer either way, never 401
+    assert stranger["agent's health"] in (200, 503) and stranger["metrics"] == 200, stranger
     assert answered(member) == expected, member
     # TLS: without a certificate of the cluster's CA the GCS does not talk, whatever the token
     assert not token_only["GCS"].endswith(" nodes"), token_only
