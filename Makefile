@@ -40,9 +40,6 @@ UNIT_PROCS      ?= auto
 # make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn;
 # `then` starts the lanes after it once every lane before it has ended)
 TEST_LANES      ?= lint,unit,gpu,cluster,image emulated
-# the niceness of make test's lanes but the last (the emulated tier's: its containers share one CPU
-# weight against each process of the others); 0: none
-TEST_NICE       ?= 5
 # servers to provision through their bastion (ansible/inventories/<name>/hosts.yml); empty: the local cluster
 INVENTORY       ?=
 # extra flags for ansible-playbook (e.g. --limit node-2, -v)
@@ -123,7 +120,7 @@ demo: cluster-up ## setup, cluster-up, then train the autoencoder and print wher
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
 test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports --nice $(TEST_NICE) $(TEST_LANES)
+	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
 	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports lint,unit

@@ -13,13 +13,6 @@ test with the first line of its failure (a CI log is often read from its tail on
 free disk seen during the run (a full disk fails tests far from its cause). The last line printed
 is the suite's `N passed, N failed, N skipped`.
 
-`--nice N` (make test's TEST_NICE): in a stage of several lanes, every lane but the last runs under
-`nice -n N`. The last lane is the long one (make test's: the emulated tier), and on a host with
-Docker's cgroup-v1 CPU controller all of its node containers share one weight (`/docker`'s
-cpu.shares, 1024), the weight of a single process at nice 0: without this, each busy process of the
-other lanes (the local cluster's Ray workers) takes as much CPU as the whole emulated cluster. The
-other lanes still get every cycle the long one leaves.
-
     python scripts/test_suite.py lint,unit,gpu,cluster,image emulated         # make test
     python scripts/test_suite.py lint,unit,gpu,image then cluster emulated   # cheap tiers, then heavy ones
     python scripts/test_suite.py lint,unit,gpu,image,cluster,emulated         # one after another
@@ -148,19 +141,17 @@ def command(target: str, pytest_args: str) -> list[str]:
     return ["make", "--no-print-directory", target, f"PYTEST_ARGS={pytest_args}"]
 
 
-def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str, nice: int = 0) -> Result:
+def run_tier(tier: str, reports: Path, pytest_args: str, prefix: str) -> Result:
     target, what = TIERS[tier]
     report = reports / f"{tier}.xml"
     report.unlink(missing_ok=True)
-    say(f"==== {tier}: {what} (make {target}), started {time.strftime('%H:%M:%S')}"
-        f"{f', under nice -n {nice}' if nice else ''}", prefix)
+    say(f"==== {tier}: {what} (make {target}), started {time.strftime('%H:%M:%S')}", prefix)
     env = {**os.environ, "LINT_JUNIT": str(report)}
     # beside another lane a line per test (-v): pytest's dots reach a line only when a file ends
     args = (f"{pytest_args}{' -v' if prefix else ''} --durations=10 --durations-min=5"
             f" --junitxml={shlex.quote(str(report))} -o junit_family=xunit1").strip()
     started = time.monotonic()
-    # (nice(1), not os.nice in preexec_fn: the lanes are threads); what the tier starts inherits it
-    proc = subprocess.Popen([*(["nice", "-n", str(nice)] if nice else []), *command(target, args)], cwd=REPO,
+    proc = subprocess.Popen(command(target, args), cwd=REPO,
                             env=env, stdout=subprocess.PIPE if prefix else None,
                             stderr=subprocess.STDOUT if prefix else None, text=True, errors="replace")
     if prefix and proc.stdout is not None:
@@ -190,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
                     help=f"a lane: tiers run in turn; lanes run side by side; `then` waits for the lanes "
                          f"before it. Tiers: {', '.join(TIERS)}")
-    ap.add_argument("--nice", type=int, default=0, metavar="N",
-                    help="in a stage of several lanes, run every lane but the last under nice -n N "
-                         "(make test: TEST_NICE); 0: none")
     ap.add_argument("--reports", type=Path, required=True,
                     help="folder for each tier's JUnit XML report (make: $DLC_CACHE/test-reports)")
     a = ap.parse_args(argv)
@@ -206,10 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     order = [t for lane in lanes for t in lane]
     problem = lane_problem(order) or ("'then' needs lanes before and after it"
                                       if len(stages) > 1 and not all(stages) else None)
-    if not 0 <= a.nice <= 19:
-        print(f"test: error: --nice {a.nice}: a niceness is 0 to 19 (make test: TEST_NICE; 0 for none)",
-              file=sys.stderr)
-        return 2
     if problem:
         print(f"test: error: lanes {' '.join(a.lanes)!r}: {problem}; name each of {', '.join(TIERS)} at most "
               "once, comma-separated within a lane, `then` between two groups of lanes "
@@ -221,21 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     width = max(map(len, order))
     results: dict[str, Result] = {}
 
-    def run_lane(lane: list[str], beside: bool, nice: int) -> None:
+    def run_lane(lane: list[str], beside: bool) -> None:
         for tier in lane:
             prefix = f"{tier:<{width}} | " if beside else ""
-            results[tier] = run_tier(tier, a.reports, pytest_args, prefix, nice)
+            results[tier] = run_tier(tier, a.reports, pytest_args, prefix)
 
     started = time.monotonic()
     disk = DiskWatch(a.reports)
     disk.start()
     for stage in stages:
         if len(stage) > 1:
-            say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in stage)
-                + (f" (all but the last under nice -n {a.nice})" if a.nice else ""))
-        threads = [threading.Thread(target=run_lane,
-                                    args=(lane, len(stage) > 1, 0 if lane is stage[-1] else a.nice))
-                   for lane in stage]
+            say("lanes, side by side: " + "  |  ".join(" -> ".join(lane) for lane in stage))
+        threads = [threading.Thread(target=run_lane, args=(lane, len(stage) > 1)) for lane in stage]
         for t in threads:
             t.start()
         for t in threads:

@@ -1,7 +1,6 @@
 """scripts/test_suite.py (make test, make check): counts from real pytest JUnit reports, lanes side
 by side with every line named by its tier, the table, and the closing line."""
 
-import os
 import re
 import subprocess
 import sys
@@ -13,15 +12,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import test_suite  # noqa: E402
 
-NICENESS = "import os, pathlib\ndef test_n(): pathlib.Path(__file__ + '.nice').write_text(str(os.nice(0)))\n"
 TIER_TESTS = {  # a tier's tests: name -> source
     "green": "import time\ndef test_a(): time.sleep(2)\ndef test_b(): pass\n",
     "mixed": ("import time, pytest\ndef test_ok(): time.sleep(2)\ndef test_bad(): assert 1 == 2\n"
               "@pytest.mark.skip(reason='no GPU here')\ndef test_gpu(): pass\n"),
     "empty": "# no test\n",
-    # its niceness, written beside its file: what the tier's processes (a local Ray cluster) inherit
-    "calm": NICENESS,
-    "eager": NICENESS,
 }
 
 
@@ -91,23 +86,6 @@ def test_then_starts_the_next_lanes_when_every_lane_before_it_has_ended(tiers, c
     assert "green | " not in out  # alone in its stage: its lines as they are
     assert "lanes, side by side: mixed  |  empty" in out
     assert out.index("==== empty: 0 passed") < out.index("==== mixed: 1 passed")  # side by side
-
-
-def test_the_lanes_beside_the_last_run_niced_so_the_long_one_gets_the_cpu_first(tiers, capsys):
-    """make test's TEST_NICE: the emulated tier's containers share one CPU weight (Docker's cgroup)
-    against each process of the lanes beside it, which therefore run niced; alone, nothing is."""
-    base = os.nice(0)
-    assert test_suite.main(["--nice", "7", "green,calm", "eager", "--reports", str(tiers / "reports")]) == 0
-    out = capsys.readouterr().out
-    assert (tiers / "tier_calm.py.nice").read_text() == str(min(base + 7, 19))
-    assert (tiers / "tier_eager.py.nice").read_text() == str(base)  # the last lane: the long one
-    assert "lanes, side by side: green -> calm  |  eager (all but the last under nice -n 7)" in out
-    assert re.search(r"^calm +\| ==== calm: the calm tier .*, under nice -n 7$", out, re.M), out
-    assert test_suite.main(["--nice", "7", "calm", "--reports", str(tiers / "reports")]) == 0
-    assert (tiers / "tier_calm.py.nice").read_text() == str(base)  # one lane: nothing beside it
-    assert test_suite.main(["--nice", "20", "calm", "--reports", str(tiers / "reports")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == "test: error: --nice 20: a niceness is 0 to 19 (make test: TEST_NICE; 0 for none)"
 
 
 def test_each_tier_is_shown_beside_its_budget_and_one_over_it_is_named(tiers, capsys, monkeypatch):
