@@ -37,10 +37,6 @@ RUN             ?=
 PYTEST_ARGS     ?=
 # the unit tier's test processes (pytest-xdist): auto = one per core, at most 4; 0: in pytest's own
 UNIT_PROCS      ?= auto
-# the unit tier's processes under make test, where it runs beside the emulated tier's first
-# cluster-up (the tier's part that slows most on a busy machine: about 200 s alone, 410-450 s beside
-# two unit processes); make test-unit and make check keep UNIT_PROCS
-TEST_UNIT_PROCS ?= 1
 # make test's lanes, side by side (space-separated; tiers in a lane, comma-separated, run in turn;
 # `then` starts the lanes after it once every lane before it has ended)
 TEST_LANES      ?= lint,unit,gpu,cluster,image emulated
@@ -124,7 +120,7 @@ demo: cluster-up ## setup, cluster-up, then train the autoencoder and print wher
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
 test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), a table, then `N passed, N failed, N skipped`
-	@UNIT_PROCS=$(TEST_UNIT_PROCS) $(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
+	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
 	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports lint,unit
