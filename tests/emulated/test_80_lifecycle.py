@@ -43,6 +43,8 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
     cluster record; it re-keys the cluster (dlc_remove_node_rekey): a new token and CA, Ray restarted
     on the three, so node-4's token and its certificate and key from before (a copy an intruder may
     have taken) are refused by the GCS. Bad NODE values are one line each before anything changes.
+    The same cluster-up forgets node-3's rollback record that names an image the node no longer has
+    (left by a ship that failed after its prune), so a failed upgrade finds nothing to go back to.
     (A re-key refused under a running job: test_40's changed-setting test.)"""
     make = ["make", "--no-print-directory", "remove-node"]
     for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
@@ -63,9 +65,15 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         assert text != EMULATED
         inventory = _inventory(tmp_path, "emulated", text)  # the same cluster (its folder's name)
         pids = ray_pids(emulated)
+        # node-3's rollback record as a ship that failed after its prune leaves it: the id of an image
+        # the node no longer has (this cluster-up, which ships nothing to node-3, forgets it)
+        gone_image = "sha256:" + "0" * 64
+        planted = emulated.ssh("node-3", f"echo {gone_image} | sudo tee /etc/dlcluster/image.previous")
+        assert planted.returncode == 0, planted.stderr
         listed = True  # from here node-4 may be in the nodes' /etc/hosts, the bastion's list, the record
         up = emulated.cluster("up", inventory, timeout=1200)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-2000:]
+        assert emulated.ssh("node-3", "sudo test -e /etc/dlcluster/image.previous").returncode != 0
         assert ray_pids(emulated) == pids  # the three went on as they were
         assert sorted(emulated.wait_for_nodes(4)) == sorted([*NODES.values(), NODE4])
         desc = json.loads((emulated.config / "cluster.json").read_text())
