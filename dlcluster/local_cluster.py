@@ -53,7 +53,13 @@ database_uri = sqlite:///{db}
 admin_username = {user}
 admin_password = {password}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = {cache_seconds}
 """
+# How long the server trusts a password it has checked (MLflow's own cache; roles/tracking's
+# tracking_auth_cache_seconds): without it every request pays a scrypt check, 0.3 s of CPU on a
+# 2-core machine. Its one worker forgets a password changed through it at once, and one changed
+# here (serve-tracking) comes with a new server.
+TRACKING_AUTH_CACHE_SECONDS = 60
 
 
 def fail(msg: str) -> NoReturn:
@@ -282,7 +288,8 @@ def start_tracking(port: int) -> subprocess.Popen | None:
     ini = folder / "basic_auth.ini"  # the admin's password is read when the server first starts
     fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(TRACKING_AUTH_INI.format(db=folder / "basic_auth.db", user=user, password=password))
+        f.write(TRACKING_AUTH_INI.format(db=folder / "basic_auth.db", user=user, password=password,
+                                         cache_seconds=TRACKING_AUTH_CACHE_SECONDS))
     env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini),
            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret("tracking_flask_key").read_text(),
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # its job runner: 7 processes, unused here
@@ -386,9 +393,11 @@ def up(a: argparse.Namespace) -> None:
     # The nodes run this virtualenv's Python, and so does a job's `python` entrypoint.
     # RAY_ADDRESS pins every process of this cluster to it: with two clusters on one host, Ray's
     # own helpers (e.g. Train's PlacementGroupCleaner) otherwise find both and give up.
+    # Ray's log monitor looks for new log files every 0.5 s, not on each 0.1 s pass (as on servers:
+    # roles/ray's ray.env)
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token()),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_ADDRESS": gcs,
-           "DLC_CLUSTER_NAME": "local"}
+           "DLC_CLUSTER_NAME": "local", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
     # sockets, logs and object store: this user's only (0700), under a name no one can guess or
     # make first; the state file records it for `down` and `status`
     temp_root = tempfile.mkdtemp(prefix=f"dlc-{a.port}-", dir="/tmp")

@@ -66,6 +66,11 @@ def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
         pid = emulated.ssh(node, "systemctl show -p MainPID --value dlc-ray").stdout.strip()
         limits = emulated.ssh(node, f"sudo cat /proc/{pid}/limits").stdout
         assert re.search(r"^Max core file size\s+0\s+0\s", limits, re.M), limits
+    # Ray's log monitor runs with ray.env's setting on every node (host runtime and container): it
+    # looks for new log files every 0.5 s, not on each 0.1 s pass
+    for node in NODES:
+        env = emulated.ssh(node, "sudo cat /proc/$(pgrep -of log_monitor.py)/environ").stdout
+        assert "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in env.split("\0"), (node, env[-500:])
     # the distribution's unattended upgrades leave the NVIDIA driver and toolkit alone on every
     # node (a CPU node may get a GPU): apt itself reads the setting
     for node in NODES:

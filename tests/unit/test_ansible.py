@@ -686,7 +686,7 @@ def test_numbers_given_on_the_command_line_are_cast_before_arithmetic():
     assert {k: v for k, v in found.items() if v} == {}
 
 
-def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_files():
+def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_files(tmp_path, monkeypatch):
     """roles/tracking's units, rendered for both runtimes: MLflow's basic-auth app on the head's
     loopback, its database URI (a password) only in the 0640 environment file, never on the
     command line `ps` shows; the docker runtime's container reads the same files. Its TLS end
@@ -707,7 +707,9 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
                 tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
                 tracking_password="pw", tracking_service_user="dlc-mlflow", tracking_account={"uid": 998},
-                tracking_group={"gid": 997})
+                tracking_group={"gid": 997}, tracking_auth_cache_seconds=yaml.safe_load(
+                    (REPO / "ansible/roles/tracking/defaults/main.yml").read_text()
+                )["tracking_auth_cache_seconds"])
     for runtime in ("host", "docker"):
         unit = env.get_template("dlc-mlflow.service.j2").render(**{**head, "dlc_ray_runtime": runtime})
         lines = unit.splitlines()
@@ -737,6 +739,26 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
     assert "admin_username = dlc" in ini and "admin_password = pw" in ini
     assert "database_uri = postgresql+psycopg2://mlflow:dbpw@127.0.0.1:5432/mlflow_auth" in ini
     assert "default_permission = EDIT" in ini  # the jobs' account: log and register, not delete or administer
+    # each worker trusts a checked password for the role's default, as MLflow itself reads the file
+    assert auth_cache_seconds(ini, tmp_path, monkeypatch) == head["tracking_auth_cache_seconds"] == 60
+
+
+def auth_cache_seconds(ini: str, tmp_path, monkeypatch) -> int:
+    """MLflow's own reading of a basic-auth settings file: how long a checked password is trusted."""
+    from mlflow.server.auth.config import read_auth_config
+
+    (tmp_path / "auth.ini").write_text(ini)
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "auth.ini"))
+    return read_auth_config().auth_cache_ttl_seconds
+
+
+def test_the_local_clusters_tracking_server_trusts_a_checked_password_for_a_minute(tmp_path, monkeypatch):
+    """Without MLflow's credential cache every request to the server pays a scrypt check."""
+    from dlcluster import local_cluster
+
+    ini = local_cluster.TRACKING_AUTH_INI.format(db=tmp_path / "a.db", user="dlc", password="pw",
+                                                 cache_seconds=local_cluster.TRACKING_AUTH_CACHE_SECONDS)
+    assert auth_cache_seconds(ini, tmp_path, monkeypatch) == 60
 
 
 # ---- package repositories' signing keys, against their pins (ansible/filter_plugins/dlc_keys.py)
