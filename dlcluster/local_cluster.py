@@ -53,13 +53,12 @@ database_uri = sqlite:///{db}
 admin_username = {user}
 admin_password = {password}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
-auth_cache_ttl_seconds = {cache_seconds}
+auth_cache_ttl_seconds = 60
 """
-# How long the server trusts a password it has checked (MLflow's own cache; roles/tracking's
-# tracking_auth_cache_seconds): without it every request pays a scrypt check, 0.3 s of CPU on a
-# 2-core machine. Its one worker forgets a password changed through it at once, and one changed
-# here (serve-tracking) comes with a new server.
-TRACKING_AUTH_CACHE_SECONDS = 60
+# auth_cache_ttl_seconds: how long the server trusts a password it has checked (MLflow's own cache;
+# roles/tracking's tracking_auth_cache_seconds): without it every request pays a scrypt check, 0.3 s
+# of CPU on a 2-core machine. Its one worker forgets a password changed through it at once, and one
+# changed here (serve-tracking) comes with a new server.
 
 
 def fail(msg: str) -> NoReturn:
@@ -288,8 +287,7 @@ def start_tracking(port: int) -> subprocess.Popen | None:
     ini = folder / "basic_auth.ini"  # the admin's password is read when the server first starts
     fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(TRACKING_AUTH_INI.format(db=folder / "basic_auth.db", user=user, password=password,
-                                         cache_seconds=TRACKING_AUTH_CACHE_SECONDS))
+        f.write(TRACKING_AUTH_INI.format(db=folder / "basic_auth.db", user=user, password=password))
     env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini),
            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret("tracking_flask_key").read_text(),
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # its job runner: 7 processes, unused here

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import BIN, REPO, start_cluster, stop_cluster
 
@@ -84,19 +85,12 @@ def test_each_nodes_log_monitor_looks_for_new_files_every_half_second(cluster):
     """Ray's log monitor (the workers' output to the jobs' logs) runs with the cluster's setting: a
     search of its node's log folder every 0.5 s, not on each 0.1 s pass (its CPU, halved)."""
     temp_root = temp_root_of(cluster.config)
-    monitors = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("log_monitor.py")
-                and temp_root in _cmdline(p)]
+    monitors = [p for p in psutil.process_iter(["cmdline"])
+                if any("log_monitor.py" in part for part in p.info["cmdline"] or [])
+                and any(temp_root in part for part in p.info["cmdline"] or [])]
     assert len(monitors) == 2, monitors  # the head's and the other node's
     for proc in monitors:
-        env = (proc / "environ").read_bytes().split(b"\0")
-        assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in env, proc
-
-
-def _cmdline(proc: Path) -> str:
-    try:
-        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:  # gone meanwhile
-        return ""
+        assert proc.environ().get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD") == "0", proc
 
 
 def listening_addresses(port):

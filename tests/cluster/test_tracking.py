@@ -22,6 +22,7 @@ import pytest
 from conftest import REPO, plain_env, read_manifest
 from test_fault_tolerance import Running, kill, ray_train_workers
 
+from dlcluster import local_cluster
 from tests.browser import chromium, mlflow_chart_points, signed_in
 from trainkit import contract, record
 
@@ -234,11 +235,6 @@ print(proc.pid, lc.tracking_ready(proc, port))
 """
 
 
-def answers(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def signed_in_status(url: str, user: str, password: str) -> int:
     req = urllib.request.Request(f"{url}/api/2.0/mlflow/experiments/search?max_results=1", headers={
         "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()})
@@ -274,7 +270,7 @@ def test_a_restarted_server_takes_the_clusters_password_as_it_is_now(tmp_path):
         # its socket closes once its last process has ended: on a busy machine not yet at the next
         # start, which would say the port is taken (once in a full run, 2026-11-29)
         deadline = time.time() + 60
-        while answers(port):
+        while local_cluster.port_in_use(port):
             assert time.time() < deadline, f"port {port} still answers 60 s after the server was killed"
             time.sleep(0.2)
         auth.write_text("dlc:a-password-made-anew-0123456789\n")

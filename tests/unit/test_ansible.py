@@ -756,8 +756,7 @@ def test_the_local_clusters_tracking_server_trusts_a_checked_password_for_a_minu
     """Without MLflow's credential cache every request to the server pays a scrypt check."""
     from dlcluster import local_cluster
 
-    ini = local_cluster.TRACKING_AUTH_INI.format(db=tmp_path / "a.db", user="dlc", password="pw",
-                                                 cache_seconds=local_cluster.TRACKING_AUTH_CACHE_SECONDS)
+    ini = local_cluster.TRACKING_AUTH_INI.format(db=tmp_path / "a.db", user="dlc", password="pw")
     assert auth_cache_seconds(ini, tmp_path, monkeypatch) == 60
 
 
