@@ -113,6 +113,9 @@ class ClusterRecord(BaseModel):
             port = u.port
         except ValueError:
             port = None
+        if u.username is not None or u.password is not None:  # never echoed
+            raise ValueError(f"holds credentials ({u.scheme}://***@{u.hostname}:{port}): give "
+                             "http(s)://HOST:PORT alone (credentials live in their files, 0600)")
         if u.scheme not in ("http", "https") or not u.hostname or not port:
             raise ValueError(f"must look like http://HOST:PORT, not {v!r}")
         return v

@@ -28,6 +28,7 @@ is untracked.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import logging
@@ -41,8 +42,6 @@ from .contract import Target, run_page  # noqa: F401 - run_page: a run's page, a
 from .progress import COUNTERS, say
 
 if TYPE_CHECKING:
-    import argparse
-
     from .contract import Job, Run
     from .onnx_export import Published
 
@@ -75,7 +74,12 @@ def setting(flag: str | None) -> tuple[str | None, str]:
     if os.environ.get(URL_ENV) == "off":  # everything started from this environment
         return None, f"{URL_ENV}=off"
     if os.environ.get(URL_ENV):
-        return os.environ[URL_ENV].rstrip("/"), URL_ENV
+        from .flags import tracking
+
+        try:  # the flag's own check: a URL with credentials in it is refused, never echoed
+            return tracking(os.environ[URL_ENV]).rstrip("/"), URL_ENV
+        except argparse.ArgumentTypeError as e:
+            return None, f"{URL_ENV} {e}"
     rec = _record()
     if rec is not None and rec.tracking_url:
         return rec.tracking_url.rstrip("/"), f"cluster {rec.name}'s record"
@@ -157,6 +161,8 @@ def start(job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
 
     url, how = setting(getattr(args, "tracking", "auto"))
     if url is None:
+        if how.startswith(f"{URL_ENV} "):  # set, and refused
+            say(job.name, f"warning: run {run.name} is not tracked: {how}")
         return replace(run, tracking_off=how)
     try:
         target = _start(url, job, args, run, world_size, cluster, page_url(url, how))

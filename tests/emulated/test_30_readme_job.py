@@ -256,8 +256,12 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
                             ).stdout.split() == ["640", "root", "dlc-mlflow"], name
         denied = emulated.ssh("node-1", "sudo", "-u", "raysvc", "cat", f"/etc/dlcluster/{name}")
         assert denied.returncode != 0 and "Permission denied" in denied.stderr, name
-    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /srv/dlcluster/mlflow-artifacts"
-                        ).stdout.split() == ["750", "dlc-mlflow", "dlc-mlflow"]
+    # its artifacts on the head's own disk, in a root-owned folder: no job renames them and leaves a
+    # link (the shared storage's root, where they were, is root's too now)
+    for path, owner in (("/var/lib/dlc-mlflow-artifacts", "750 dlc-mlflow dlc-mlflow"),
+                        ("/var/lib", "755 root root"), ("/srv/dlcluster", "755 root root"),
+                        ("/var/lib/dlcluster", "750 root raysvc")):
+        assert emulated.ssh("node-1", f"sudo stat -c '%a %U %G' {path}").stdout.split() == owner.split(), path
     assert emulated.ssh("node-1", "sudo", "-u", "raysvc", "kill", "-0", pid).returncode != 0
     # MLflow's client reads its credentials from the environment only: set for this test alone
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
@@ -292,9 +296,9 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
                                     timeout=10) as answer:
             body = answer.read().decode()
         assert answer.status == 200 and (readme_run.name in body if "runs/get" in url else "<html" in body)
-    # its artifacts are on the shared storage, where the head's server keeps them
-    found = emulated.ssh("node-2", "sudo", "find", "/srv/dlcluster/mlflow-artifacts", "-name", "model.onnx"
-                         ).stdout.split()  # Ray's account's folder (0750)
+    # its artifacts are on the head's disk, where its server keeps them
+    found = emulated.ssh("node-1", "sudo", "find", "/var/lib/dlc-mlflow-artifacts", "-name", "model.onnx"
+                         ).stdout.split()
     assert any(run_.info.run_id in path for path in found), found
     browser = chromium()
     if browser is None:

@@ -8,9 +8,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import (
-    run,
-)
+from conftest import INVENTORY, run
 from helpers import EMULATED, _inventory, _jump_inventory, untouched
 
 pytestmark = pytest.mark.timeout(1800)
@@ -130,3 +128,48 @@ def test_nodes_without_a_package_source_are_named_before_any_change(emulated, tm
     assert emulated.ssh("node-2", "test", "-f", "/etc/apt/apt.conf.d/01dlcluster-proxy").returncode == 0
 
 
+
+
+def test_a_link_where_root_makes_a_folder_is_refused_and_followed_nowhere(emulated):
+    """A job (Ray's account) cannot rename a folder root manages and leave a link in its place: the
+    shared storage's root, Ray's state folder and the run history's artifacts' parent are root's.
+    A link left there before they were (root plants one here, as a job could on a cluster made
+    before) makes cluster-up stop in one line before any change, and its target keeps its owner and
+    mode; a link among the run history's artifacts keeps the server from starting."""
+    for node, cmd in (("node-2", "mv /srv/dlcluster/runs /srv/dlcluster/runs.x"),
+                      ("node-1", "mv /var/lib/dlcluster/home /var/lib/dlcluster/home.x"),
+                      ("node-1", "ln -s /etc /var/lib/dlc-mlflow-artifacts/etc"),
+                      ("node-1", "ln -s /etc /var/lib/dlc-mlflow-artifacts.new")):
+        denied = emulated.ssh(node, f"sudo -u raysvc {cmd}")
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, (node, cmd, denied.stderr)
+    head = "node-1"
+    emulated.ssh(head, "sudo install -d -m 0700 -o root -g root /opt/decoy", timeout=30)
+    planted = emulated.ssh(head, "sudo sh -c 'mv /srv/dlcluster/models /srv/dlcluster/models.kept && "
+                                 "ln -s /opt/decoy /srv/dlcluster/models'")
+    assert planted.returncode == 0, planted.stderr
+    try:
+        proc = emulated.cluster("up", INVENTORY, timeout=600)
+        last = proc.stderr.strip().splitlines()[-1]
+        print(last)
+        assert proc.returncode != 0 and "/srv/dlcluster/models is a link to /opt/decoy" in last, \
+            proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "remove the link, and run again; nothing was changed" in last, last
+        assert untouched(proc)
+        assert emulated.ssh(head, "stat -c '%a %U %G' /opt/decoy").stdout.split() == ["700", "root", "root"]
+    finally:
+        emulated.ssh(head, "sudo sh -c 'rm /srv/dlcluster/models && mv /srv/dlcluster/models.kept "
+                           "/srv/dlcluster/models && rmdir /opt/decoy'")
+    # the run history's server refuses to start on a link among its artifacts
+    emulated.ssh(head, "sudo ln -s /etc/dlcluster /var/lib/dlc-mlflow-artifacts/leak")
+    try:
+        refused = emulated.ssh(head, "sudo systemctl restart dlc-mlflow", timeout=120)
+        said = emulated.ssh(head, "sudo journalctl -u dlc-mlflow -n 20 --no-pager").stdout
+        assert refused.returncode != 0, said
+        assert "dlc-mlflow: /var/lib/dlc-mlflow-artifacts/leak is a link among the artifacts it serves" \
+            in said, said
+    finally:
+        emulated.ssh(head, "sudo rm -f /var/lib/dlc-mlflow-artifacts/leak")
+        emulated.ssh(head, "sudo systemctl restart dlc-mlflow", timeout=120)
+    up = emulated.ssh(head, "for i in $(seq 120); do curl -sf http://127.0.0.1:5000/health && exit 0; "
+                            "sleep 1; done; exit 1", timeout=180)
+    assert up.returncode == 0, up.stderr

@@ -703,7 +703,7 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
                 firewall_enabled=True, dlc_shared_storage_path="/srv/data", dlc_ray_user="ray",
                 dlc_ray_user_uid=1500,
                 dlc_venv="/opt/venv", dlc_node_ip="10.0.0.1", dlc_tracking_port=5000, tracking_workers=2,
-                tracking_artifacts_dir="/srv/data/mlflow-artifacts", dlc_image="dlcluster:gpu",
+                tracking_artifacts_dir="/var/lib/dlc-mlflow-artifacts", dlc_image="dlcluster:gpu",
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
                 tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
                 tracking_password="pw", tracking_service_user="dlc-mlflow", tracking_account={"uid": 998},
@@ -716,8 +716,10 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
         start = next(line for line in lines if line.startswith("ExecStart="))
         assert "--app-name basic-auth --host 127.0.0.1 --port 5000" in start, start
         assert "dbpw" not in unit and "pw" not in shlex.split(start)
-        assert "Requires=postgresql.service" in lines and "RequiresMountsFor=/srv/data" in lines
+        assert "Requires=postgresql.service" in lines
+        assert "RequiresMountsFor=/var/lib/dlc-mlflow-artifacts" in lines
         assert "Requires=dlc-firewall.service" in lines
+        assert refuses_a_link(unit, tmp_path / runtime), runtime
         if runtime == "host":
             assert "User=dlc-mlflow" in lines and "EnvironmentFile=/etc/dlcluster/mlflow.env" in lines
             assert "Group=dlc-mlflow" in lines and "User=ray" not in lines  # its own account, not Ray's
@@ -741,6 +743,30 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
     assert "default_permission = EDIT" in ini  # the jobs' account: log and register, not delete or administer
     # each worker trusts a checked password for the role's default, as MLflow itself reads the file
     assert auth_cache_seconds(ini, tmp_path, monkeypatch) == head["tracking_auth_cache_seconds"] == 60
+
+
+def refuses_a_link(unit: str, tmp_path: Path) -> bool:
+    """The unit's check before MLflow starts, run by a shell as systemd runs it ($$ is a $), on a
+    folder of artifacts: it passes on plain files, and stops in one line on a link at any depth."""
+    (pre,) = [line.split("=", 1)[1] for line in unit.splitlines()
+              if line.startswith("ExecStartPre=") and "find" in line]
+    argv = shlex.split(pre.replace("$$", "$"))
+    assert argv[-1] == "/var/lib/dlc-mlflow-artifacts", argv
+    artifacts = tmp_path / "artifacts"
+    (artifacts / "1/run/artifacts").mkdir(parents=True)
+    (artifacts / "1/run/artifacts/model.onnx").write_bytes(b"onnx")
+    ok = subprocess.run([*argv[:-1], str(artifacts)], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    (artifacts / "1/run/artifacts/leak").symlink_to("/etc")
+    refused = subprocess.run([*argv[:-1], str(artifacts)], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        f"dlc-mlflow: {artifacts}/1/run/artifacts/leak is a link among the artifacts it serves: find out "
+        "who left it, remove it, then systemctl restart dlc-mlflow"), refused.stderr
+    (artifacts / "1/run/artifacts/leak").unlink()
+    artifacts.rename(tmp_path / "elsewhere")
+    artifacts.symlink_to(tmp_path / "elsewhere")  # the folder itself swapped for a link
+    refused = subprocess.run([*argv[:-1], str(artifacts)], capture_output=True, text=True, timeout=30)
+    return refused.returncode == 1 and f"dlc-mlflow: {artifacts} is a link" in refused.stderr
 
 
 def auth_cache_seconds(ini: str, tmp_path, monkeypatch) -> int:

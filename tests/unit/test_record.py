@@ -41,6 +41,10 @@ BAD = [
     (remote(job_api="127.0.0.1:8265"), "job_api: Value error, must look like http://HOST:PORT"),
     (remote(job_api="http://127.0.0.1"), "job_api: Value error, must look like http://HOST:PORT"),
     (remote(token_path="ray_token"), "token_path: Value error, must be an absolute path"),
+    # credentials in a URL would reach every line and manifest that names it: refused, never echoed
+    (remote(tracking_url="http://dlc:s3cret@127.0.0.1:5000"),
+     "tracking_url: Value error, holds credentials (http://***@127.0.0.1:5000): give "
+     "http(s)://HOST:PORT alone"),
     (remote(name=""), "name: String should have at least 1 character"),
     (remote(name="a/b"), "name: String should match pattern"),
     (remote(nodes=[]), "nodes: List should have at least 1 item"),
@@ -67,6 +71,7 @@ def test_a_bad_record_is_one_line_naming_the_file_and_the_fix(tmp_path, data, me
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"bad cluster record {path}: ")
     assert message in line and line.endswith("rerun make cluster-up to rewrite it"), line
+    assert "s3cret" not in line
 
 
 def test_missing_truncated_and_foreign_records(tmp_path):

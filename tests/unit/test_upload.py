@@ -42,6 +42,7 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
                "credentials.json", ".aws/config", "id_dsa", "deploy.ppk",
                # a nested clone's git folder, and the credentials the project itself writes
                "vendor/clone/.git/config", "jobs/nested/.git/config", "clusters/lab/tracking_auth",
+               "clusters/lab/tracking_jobs_auth", "clusters/lab/.tracking_auth.new",
                "clusters/lab/grafana_password", "clusters/lab/registry_password",
                # Ray's own default excludes are off (ray-client.env): the ignore files name them
                *[f"{folder}/left-behind" for folder in record.EXCLUDES],

@@ -1,0 +1,91 @@
+"""No job leads root's file tasks out of the project's folders (issue: a job renamed a folder root
+manages and left a link in its place; the next cluster-up made the link's target Ray's). The nodes
+play's refusal of a link at any of roles/cluster_defaults' dlc_root_folders, run by ansible-playbook
+on this machine; every root file task in a folder Ray's account can write refuses to follow one."""
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+
+
+def link_refusal(tmp_path: Path, folders: list[str]) -> subprocess.CompletedProcess:
+    """plays/nodes.yml's two tasks (find the links, refuse one), as the play has them, run by
+    ansible-playbook on this machine with dlc_root_folders = `folders`."""
+    play = yaml.safe_load((ANSIBLE / "plays/nodes.yml").read_text())[0]
+    tasks = [t for t in play["pre_tasks"] if t["name"] in (
+        "Look for links where root makes a folder", "Refuse a link there before anything is changed")]
+    assert len(tasks) == 2
+    (tmp_path / "play.yml").write_text(json.dumps([{
+        "hosts": "localhost", "connection": "local", "gather_facts": False,
+        "vars": {"dlc_root_folders": folders}, "tasks": tasks}]))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+           "ANSIBLE_STRATEGY": "linear", "ANSIBLE_LOCALHOST_WARNING": "false",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}
+    return subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i", "localhost,",
+                           str(tmp_path / "play.yml")], cwd=ANSIBLE, capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_a_link_where_root_makes_a_folder_stops_the_play_in_one_line(tmp_path):
+    storage, etc = tmp_path / "storage", tmp_path / "etc"
+    (storage / "runs").mkdir(parents=True)
+    etc.mkdir(mode=0o700)
+    folders = [str(storage / "runs"), str(storage / "models"), str(tmp_path / "state/home")]
+    passed = link_refusal(tmp_path, folders)  # folders and absent ones: nothing to refuse
+    assert passed.returncode == 0, passed.stdout[-2000:]
+    (storage / "models").symlink_to(etc)  # as a job would leave it
+    refused = link_refusal(tmp_path, folders)
+    assert refused.returncode != 0
+    said = " ".join(refused.stdout.split())  # the message as one line (Ansible wraps its YAML output)
+    assert (f"msg: 'localhost: {storage}/models is a link to {etc}; root makes that folder and would hand "
+            "the link''s target to Ray''s account, which every job runs as: find out who left it (a job "
+            "could), remove the link, and run again; nothing was changed'") in said, said[-2000:]
+    assert f"{storage}/runs is" not in said and "state/home is" not in said
+    assert (etc.stat().st_mode & 0o777, etc.stat().st_uid) == (0o700, os.getuid())
+
+
+def test_every_root_file_task_in_rays_folders_refuses_to_follow_a_link():
+    """The roles that make folders on the shared storage, in Ray's state folder and the run
+    history's artifacts: each `file` task that sets an owner or mode says follow: false (Ansible
+    follows a link by default and changes its target)."""
+    found = {}
+    for role in ("shared_storage", "ray", "tracking", "node_image"):
+        for path in sorted((ANSIBLE / "roles" / role / "tasks").glob("*.yml")):
+            for task in walk(yaml.safe_load(path.read_text()) or []):
+                args = task.get("ansible.builtin.file")
+                if args and ({"owner", "mode", "group"} & set(args)) and args.get("state") != "absent":
+                    found[f"{role}/{path.name}: {task['name']}"] = args.get("follow")
+    assert len(found) >= 8, found
+    assert {k: v for k, v in found.items() if v is not False} == {}
+
+
+def test_each_root_folder_is_a_roles_default():
+    """dlc_root_folders names folders through the roles' own defaults (one place for each path)."""
+    derived = yaml.safe_load((ANSIBLE / "roles/cluster_defaults/vars/main.yml").read_text())
+    folders = derived["dlc_root_folders"]
+    defaults = {}
+    for path in (ANSIBLE / "roles").glob("*/defaults/main.yml"):
+        defaults.update(yaml.safe_load(path.read_text()) or {})
+    for folder in folders:
+        names = re.findall(r"\{\{ (\w+) \}\}", folder)
+        assert names and all(n in defaults for n in names), folder
+    assert {"{{ ray_home }}", "{{ ray_temp_dir }}", "{{ tracking_artifacts_dir }}", "{{ docker_image_dir }}",
+            "{{ dlc_shared_storage_path }}/runs",
+            "{{ dlc_shared_storage_path }}/mlflow-artifacts"} <= set(folders)
+
+
+def walk(tasks: list) -> list[dict]:
+    """Every task, those in blocks too."""
+    out = []
+    for task in tasks:
+        out.append(task)
+        for key in ("block", "rescue", "always"):
+            out.extend(walk(task.get(key) or []))
+    return out
