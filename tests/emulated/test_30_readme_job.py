@@ -243,6 +243,21 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(make_user, timeout=10)
     assert refused.value.code == 403
+    # nor change its own password (locking every other job out), nor delete the README run's model,
+    # which it registered itself (roles/tracking's sign-in rule, files/dlc_mlflow_auth.py)
+    jobs_basic = base64.b64encode(f"{jobs_user}:{jobs_password}".encode()).decode()
+    for method, route, body in (
+            ("PATCH", "users/update-password", {"username": jobs_user, "password": "n" * 32,
+                                                "current_password": jobs_password}),
+            ("DELETE", "registered-models/delete", {"name": "ddp_autoencoder"})):
+        ask = urllib.request.Request(f"{r.tracking_url}/api/2.0/mlflow/{route}", method=method,
+                                     data=json.dumps(body).encode(), headers={
+                                         "Content-Type": "application/json",
+                                         "Authorization": f"Basic {jobs_basic}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(ask, timeout=10)
+        assert refused.value.code == 403, route
+        assert "is not an administrator of the run history" in refused.value.read().decode(), route
     assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /etc/dlcluster/tracking_admin_auth"
                         ).stdout.split() == ["600", "root", "root"]
     assert emulated.ssh("node-1", "sudo", "cat", "/etc/dlcluster/tracking_admin_auth").stdout.strip() == \

@@ -707,7 +707,9 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
                 tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
                 tracking_password="pw", tracking_service_user="dlc-mlflow", tracking_account={"uid": 998},
-                tracking_group={"gid": 997}, tracking_auth_cache_seconds=yaml.safe_load(
+                tracking_group={"gid": 997}, tracking_auth_module_dir=yaml.safe_load(
+                    (REPO / "ansible/roles/tracking/vars/main.yml").read_text())["tracking_auth_module_dir"],
+                tracking_auth_cache_seconds=yaml.safe_load(
                     (REPO / "ansible/roles/tracking/defaults/main.yml").read_text()
                 )["tracking_auth_cache_seconds"])
     for runtime in ("host", "docker"):
@@ -724,9 +726,13 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
             assert "User=dlc-mlflow" in lines and "EnvironmentFile=/etc/dlcluster/mlflow.env" in lines
             assert "Group=dlc-mlflow" in lines and "User=ray" not in lines  # its own account, not Ray's
             assert start.startswith("ExecStart=/opt/venv/bin/mlflow server")
+            # the project's sign-in rule (ini: dlc_mlflow_auth:authenticate) where it imports it
+            assert "Environment=PYTHONPATH=/usr/local/lib/dlc-mlflow" in lines
         else:
             assert "--env-file /etc/dlcluster/mlflow.env" in start and "--user 998:997" in start
             assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
+            module = "/usr/local/lib/dlc-mlflow"
+            assert f"-v {module}:{module}:ro -e PYTHONPATH={module}" in start
     tls_unit = env.get_template("dlc-mlflow-tls.service.j2").render(**head).splitlines()
     assert "ExecStart=/usr/bin/stunnel4 /etc/dlcluster/mlflow-tls.conf" in tls_unit
     assert "User=dlc-mlflow" in tls_unit and "Requires=dlc-firewall.service" in tls_unit
