@@ -28,7 +28,7 @@ from dlcluster.doctor import Finding, ssh
 from trainkit import record
 
 FORMAT: Final = "dlcluster-baseline/1"
-IPERF_PORT = 5201  # iperf3's own; the firewall lets the private network reach any port
+IPERF_PORT = 5201  # iperf3's own; the firewall lets the cluster's nodes reach any port
 
 
 class NodePerf(BaseModel):

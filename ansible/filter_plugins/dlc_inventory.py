@@ -284,6 +284,23 @@ def cidr_problems(nodes: list, hostvars) -> list:
     return out
 
 
+def extra_source_problems(nodes: list, hostvars) -> list:
+    """firewall_private_extra_sources, where set: a list of IPv4 addresses (each goes into the
+    firewall's rules, a root shell script)."""
+    out = []
+    for host in nodes:
+        sources = hostvars[host].get("firewall_private_extra_sources", []) or []
+        if not isinstance(sources, list):
+            out.append(f"{host}: firewall_private_extra_sources is '{sources}', not a list: give IPv4 "
+                       f"addresses as a YAML list, such as [10.0.0.5]")
+            continue
+        bad = [str(s) for s in sources if _ip(str(s)) is None]
+        if bad:
+            out.append(f"{host}: firewall_private_extra_sources holds {', '.join(map(repr, bad))}, not an "
+                       f"IPv4 address: give each address alone, such as 10.0.0.5 (no network, no name)")
+    return out
+
+
 def _ip(text: str):
     try:
         return ipaddress.IPv4Address(text)
@@ -342,6 +359,7 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
                        f"its own `ip` (and ansible_host)")
         seen.setdefault(addr, host)
     out.extend(cidr_problems(nodes, hostvars))
+    out.extend(extra_source_problems(nodes, hostvars))
     bv = hostvars[bastion]
     out.extend(word_problems(bastion, bv, ("ansible_host", "ansible_user")))
     if "ansible_port" in bv and (_whole(bv["ansible_port"]) or 0) not in range(1, 65536):

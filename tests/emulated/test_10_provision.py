@@ -370,7 +370,11 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
         # first in INPUT: no rule of the site's (or Docker's) is consulted before it
         first = [r for r in rules.splitlines() if r.startswith("-A INPUT ")][0]
         assert first == "-A INPUT -j DLC-INPUT", rules
-        assert "-A DLC-INPUT -s 172.31.251.0/24 -j RETURN" in rules, rules
+        # the cluster's own addresses only (its nodes, the bastion, the inventory's extra source),
+        # not the private network: no other machine there reaches more than ssh
+        admitted = [r for r in rules.splitlines() if r.startswith("-A DLC-INPUT -s ")]
+        assert admitted == [f"-A DLC-INPUT -s 172.31.251.{n}/32 -j RETURN"
+                            for n in (11, 12, 13, 10, 51, 52, 53, 54, 57)], rules
         assert "-A DLC-INPUT -p tcp -m tcp --dport 22 -j RETURN" in rules, rules
         assert "-A DLC-INPUT -p tcp -j REJECT --reject-with tcp-reset" in rules, rules
         rules6 = emulated.ssh(node, "sudo", "ip6tables", "-S").stdout
@@ -385,6 +389,18 @@ def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
                                BASTION_PRIVATE, "3142", "5000"], input=PROBE, capture_output=True, text=True,
                               timeout=120, check=True).stdout
     assert json.loads(stranger) == []
+    # nor does any node answer it but with ssh (every node's firewall admits the cluster's own
+    # addresses only), while a node reaches the head's Ray (the probe sees an open port)
+    ports = ["22", "6379", "8076", "8077", "52365", "8265", "9100", "5000"]
+    addrs = ",".join(NODES.values())
+    stranger = subprocess.run(["docker", "run", "--rm", "-i", "--network", "dlc-emu-private", "--ip",
+                               "172.31.251.50", "--entrypoint", "python3", "dlcluster/emu-bastion", "-",
+                               addrs, *ports], input=PROBE, capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+    assert sorted(json.loads(stranger)) == sorted(f"{ip}:22" for ip in NODES.values()), stranger
+    member = subprocess.run(["docker", "exec", "-i", "dlc-emu-node-2", "python3", "-", addrs, *ports],
+                            input=PROBE, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"{NODES['node-1']}:6379" in json.loads(member), member
     for port in (3142, 5000):
         connect = f"import socket; socket.create_connection(('{BASTION_PRIVATE}', {port}))"
         node = emulated.ssh("node-2", f'python3 -c "{connect}"')  # one word for the remote shell

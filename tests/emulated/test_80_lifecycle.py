@@ -18,6 +18,7 @@ from conftest import (
 )
 from helpers import (
     EMULATED,
+    PROBE,
     TLS,
     _inventory,
     ask_ray,
@@ -81,6 +82,9 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         assert NODE4 in emulated.ssh("node-1", "getent hosts node-4").stdout
         assert NODE4 in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
         old_certs, old_token = member_certs("node-4", tmp_path / "node-4-tls"), emulated.token()
+        # a member reaches the others' ports (the GCS on the head among them)
+        reached = probe_from_node4()
+        assert f"{NODES['node-1']}:6379" in reached and f"{NODES['node-2']}:22" in reached, reached
         proc = run([*make, "NODE=node-4"], {**emulated.env, "INVENTORY": str(inventory)}, timeout=900)
         print(proc.stdout[-3000:], proc.stderr[-2000:])
         assert proc.returncode == 0
@@ -107,6 +111,11 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         for node in NODES:
             assert "node-4" not in emulated.ssh(node, "cat /etc/hosts").stdout, node
         assert NODE4 not in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
+        # and the removed server's address reaches no port of any node but ssh (every node's firewall
+        # admits the cluster's own addresses only, rewritten by remove-node's run)
+        reached = probe_from_node4()
+        print("node-4 reaches after its removal:", reached)
+        assert sorted(reached) == sorted(f"{ip}:22" for ip in NODES.values()), reached
         gone = True
     finally:
         run(["docker", "rm", "-f", "dlc-emu-node-4"], emulated.env, timeout=120)
@@ -116,6 +125,19 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
             back = emulated.cluster("up")
             print(f"node-4 left out of every list again by the default inventory's cluster-up: exit "
                   f"{back.returncode}", back.stderr[-2000:])
+
+
+# what a node offers on the private network: ssh, Ray's GCS, node manager and object manager, the
+# dashboard agent, the job API, the node exporter and the run history's TLS end (the head)
+PORTS = ["22", "6379", "8076", "8077", "52365", "8265", "9100", "5000"]
+
+
+def probe_from_node4() -> list[str]:
+    """Which of PORTS answer node-4 (its container, on the private network) at each other node."""
+    argv = ["docker", "exec", "-i", "dlc-emu-node-4", "python3", "-", ",".join(NODES.values()), *PORTS]
+    proc = subprocess.run(argv, input=PROBE, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 def image_id(tag: str) -> str:

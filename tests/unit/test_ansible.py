@@ -127,21 +127,24 @@ ORDER_PLAY = """\
 - hosts: ray_nodes
   gather_facts: false
   vars_files: [{ansible}/roles/cluster_defaults/defaults/main.yml,
-               {ansible}/roles/shared_storage/vars/main.yml]
+               {ansible}/roles/shared_storage/vars/main.yml, {ansible}/roles/firewall/vars/main.yml]
   tasks:
     - ansible.builtin.set_fact:
         dlc_node_ip: "{{{{ dlc_node_ip }}}}"
     - run_once: true
       ansible.builtin.debug:
-        msg: "NODES={{{{ dlc_nodes | join(',') }}}} CLIENTS={{{{ shared_storage_clients | join(',') }}}}"
+        msg: "NODES={{{{ dlc_nodes | join(',') }}}} CLIENTS={{{{ shared_storage_clients | join(',') }}}}
+              SOURCES={{{{ firewall_private_sources | join(',') }}}}"
 """
 
 
 def test_the_node_lists_keep_the_inventorys_order_whatever_the_hash_seed(tmp_path):
-    """dlc_nodes (the record, /etc/hosts, the proxy's clients) and the NFS clients come out in the
-    inventory's order in every run: Ansible's `difference` goes through a set, whose order changes
-    with Python's hash seed from one run to the next (a record that differed between cluster-up
-    and attach; files rewritten by every run)."""
+    """dlc_nodes (the record, /etc/hosts, the proxy's clients), the NFS clients and the addresses
+    every node's firewall admits come out in the inventory's order in every run: Ansible's
+    `difference` goes through a set, whose order changes with Python's hash seed from one run to
+    the next (a record that differed between cluster-up and attach; files rewritten by every run).
+    The firewall admits the nodes, the bastion and the inventory's extra address; not a node
+    make remove-node takes out."""
     play = tmp_path / "order.yml"
     play.write_text(ORDER_PLAY.format(ansible=ANSIBLE))
     inventory = str(ANSIBLE / "inventories/emulated/hosts.yml")
@@ -152,11 +155,14 @@ def test_the_node_lists_keep_the_inventorys_order_whatever_the_hash_seed(tmp_pat
         for extra in ([], ["-e", "dlc_remove_node=node-2"]):
             argv = [str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i", inventory, str(play), *extra]
             proc = subprocess.run(argv, cwd=ANSIBLE, capture_output=True, text=True, timeout=120, env=env)
-            found = re.search(r"NODES=(\S*) CLIENTS=(\S*)", proc.stdout)
+            found = re.search(r"NODES=(\S*) CLIENTS=(\S*)\s+SOURCES=(\S*)", proc.stdout)
             assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
             seen.add(found.groups())
-    assert seen == {("node-1,node-2,node-3", "172.31.251.12,172.31.251.13"),
-                    ("node-1,node-3", "172.31.251.13")}
+    # the bastion, then the inventory's extra addresses
+    others = "172.31.251.10," + ",".join(f"172.31.251.{n}" for n in (51, 52, 53, 54, 57))
+    assert seen == {("node-1,node-2,node-3", "172.31.251.12,172.31.251.13",
+                     f"172.31.251.11,172.31.251.12,172.31.251.13,{others}"),
+                    ("node-1,node-3", "172.31.251.13", f"172.31.251.11,172.31.251.13,{others}")}
 
 
 @pytest.mark.parametrize("inventory", ["inventories/example/hosts.yml", "inventories/emulated/hosts.yml"])
@@ -392,16 +398,20 @@ def test_firewall_rules_are_what_iptables_accepts():
                              undefined=jinja2.StrictUndefined, trim_blocks=True)
     script = env.get_template("dlc-firewall.j2").render(
         ansible_managed="managed", inventory_hostname="node-1", firewall_private_cidr_effective="10.0.0.0/24",
-        firewall_public_tcp_ports=[22, 2222])
+        firewall_private_sources=["10.0.0.1", "10.0.0.2", "10.0.0.9"], firewall_public_tcp_ports=[22, 2222])
     printed = subprocess.run(["sh", "-c", script, "dlc-firewall", "print"], capture_output=True,
                              text=True, check=True).stdout
     v4, v6 = printed.split("# ip6tables\n") if "# ip6tables" in printed else (printed, "")
-    assert v4.startswith("# iptables\n") and "-A DLC-INPUT -s 10.0.0.0/24 -j RETURN" in v4
+    # the cluster's own addresses, one by one, not the private network: no other machine there
+    # (a removed server among them) reaches more than ssh
+    assert v4.startswith("# iptables\n") and "10.0.0.0/24" not in v4
+    assert [line for line in v4.splitlines() if " -s " in line] == [
+        f"-A DLC-INPUT -s 10.0.0.{n}/32 -j RETURN" for n in (1, 2, 9)]
     for port in (22, 2222):
         assert f"-A DLC-INPUT -p tcp --dport {port} -j RETURN" in v4
     for tool, rules in (("iptables-restore", v4), ("ip6tables-restore", v6)):
         if rules:
-            assert "10.0.0.0/24" not in rules or tool == "iptables-restore"
+            assert "10.0.0." not in rules or tool == "iptables-restore"
             checked = subprocess.run([tool, "--test", "--noflush"], input=rules, capture_output=True,
                                      text=True)
             assert checked.returncode == 0, (tool, checked.stderr, rules)

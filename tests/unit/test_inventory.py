@@ -96,6 +96,14 @@ BAD = [
      "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_cidr is '10.0.0.0/33', not an IPv4 network"),
     ("cidr-everything", on(VARS, "    firewall_private_cidr: 0.0.0.0/0\n"),
      "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_cidr is '0.0.0.0/0': that lets 4,294,967,296"),
+    # each goes into the firewall's rules (a root shell script): an address, nothing else
+    ("extra-source-network", on(VARS, "    firewall_private_extra_sources: [10.0.0.0/24]\n"),
+     "gpu-node-1, gpu-node-2, gpu-node-3: firewall_private_extra_sources holds '10.0.0.0/24', not an IPv4 "
+     "address"),
+    ("extra-source-shell", on(VARS, "    firewall_private_extra_sources: ['10.0.0.5; reboot']\n"),
+     "firewall_private_extra_sources holds '10.0.0.5; reboot', not an IPv4 address"),
+    ("extra-source-string", on(VARS, "    firewall_private_extra_sources: 10.0.0.5\n"),
+     "firewall_private_extra_sources is '10.0.0.5', not a list"),
     ("cidr-host-bits", on(VARS, "    firewall_private_cidr: 10.0.0.11/24\n"),
      "firewall_private_cidr is '10.0.0.11/24', an address, not a network: did you mean 10.0.0.0/24?"),
     ("cidr-misses-a-node", on(VARS, "    firewall_private_cidr: 10.0.0.0/29\n"),
