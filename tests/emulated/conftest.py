@@ -268,10 +268,11 @@ def emulated(tmp_path_factory, demo):
     close_leftover_tunnels(stop_on_others=True)
     remove_test_images(env)
     run(["tests/emulated/emulate.sh", "down"], env)
-    run(["tests/emulated/emulate.sh", "up"], env, timeout=600, check=True)
-    started = time.time()
-    up = run(["scripts/cluster.sh", "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=1200)
-    print(f"cluster-up through the bastion: {time.time() - started:.0f} s")
+    up = run(["tests/emulated/emulate.sh", "up"], env, timeout=600)  # (its failure: cluster_up_passed)
+    if up.returncode == 0:
+        started = time.time()
+        up = run(["scripts/cluster.sh", "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=1200)
+        print(f"cluster-up through the bastion: {time.time() - started:.0f} s")
     print(up.stdout[-3000:], up.stderr[-2000:])
     yield Emulated(env, config, up, demo)
     try:
@@ -285,8 +286,25 @@ def emulated(tmp_path_factory, demo):
             remove_test_images(env)
 
 
+FIRST_FAILURE: list[str] = []  # the tier's failed cluster-up, once reported
+
+
 @pytest.fixture(autouse=True)
-def jobs_end_with_their_test(emulated):
+def cluster_up_passed(emulated):
+    """A tier whose machines or cluster-up failed shows one cause, not a failure per test: the first
+    test fails with the failed command's last line, every later one is skipped with it."""
+    if emulated.up.returncode == 0:
+        return
+    said = (emulated.up.stderr.strip() or emulated.up.stdout.strip() or "no output").splitlines()[-1]
+    cause = f"{' '.join(emulated.up.args[:2])} failed (exit {emulated.up.returncode}): {said}"
+    if FIRST_FAILURE:
+        pytest.skip(f"(the tier's cluster failed to come up) {cause}")
+    FIRST_FAILURE.append(cause)
+    pytest.fail(cause)
+
+
+@pytest.fixture(autouse=True)
+def jobs_end_with_their_test(emulated, cluster_up_passed):
     """A job a test submitted that has not ended when the test does (it failed, or stopped only its
     client) is stopped with ray job stop: the next test finds the CPUs free and cluster-down no job."""
     from helpers import ENDED, jobs, stop_jobs  # (helpers imports this module's names)
