@@ -89,3 +89,17 @@ def walk(tasks: list) -> list[dict]:
         for key in ("block", "rescue", "always"):
             out.extend(walk(task.get(key) or []))
     return out
+
+
+def test_the_folders_above_rays_are_roots():
+    """The NFS storage's root (which the emulated tier, with a `path` storage, never makes) and Ray's
+    state folder are made root's: Ray's account cannot rename the folders below them."""
+    storage = walk(yaml.safe_load((ANSIBLE / "roles/shared_storage/tasks/main.yml").read_text()))
+    (nfs,) = [t["ansible.builtin.file"] for t in storage
+              if t.get("name") == "Make the shared folder on the head (NFS)"]
+    assert (nfs["owner"], nfs["mode"]) == ("root", "0755"), nfs
+    ray = walk(yaml.safe_load((ANSIBLE / "roles/ray/tasks/main.yml").read_text()))
+    (folders,) = [t for t in ray if t.get("name") == "Make Ray's folders"]
+    owners = {item["path"]: (item["owner"], item["mode"]) for item in folders["loop"]}
+    assert owners["{{ ray_state_dir }}"] == ("root", "0750"), owners
+    assert owners["{{ ray_home }}"][0] == owners["{{ ray_temp_dir }}"][0] == "{{ dlc_ray_user }}", owners
