@@ -81,6 +81,19 @@ class Logits(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
+def model_shape(model_config: dict) -> dict:
+    """Blocks, width and positions of any Transformers architecture, read through its config class's
+    own attribute names (GPT-2's config holds n_layer, n_embd and n_positions where Llama's holds
+    num_hidden_layers, hidden_size and max_position_embeddings; the class maps one to the other)."""
+    from transformers import AutoConfig
+
+    c = dict(model_config)
+    config = AutoConfig.for_model(c.pop("model_type"), **c)
+    return {"layers": getattr(config, "num_hidden_layers", None),
+            "hidden_size": getattr(config, "hidden_size", None),
+            "positions": getattr(config, "max_position_embeddings", None)}
+
+
 def check_model_dir(folder: Path) -> None:
     """A save_pretrained folder: its config and its weights, or one line naming what is missing."""
     if not folder.is_dir():
@@ -147,7 +160,7 @@ class FinetuneLM(TorchJob):
             raise UserError(f"--model {model_dir}: its vocabulary ({vocab}) is smaller than its "
                             f"tokenizer's ({tokenizer.name}: {tokenizer.vocab_size}); save the model's "
                             "own tokenizer beside it (save_pretrained)")
-        positions = model_config.get("max_position_embeddings")
+        positions = model_shape(model_config)["positions"]
         if positions and args.block_size > positions:
             raise UserError(f"--block-size {args.block_size} is longer than the model's "
                             f"{positions} positions; use --block-size <= {positions}")
@@ -158,19 +171,19 @@ class FinetuneLM(TorchJob):
                         args.accumulate, max(0, args.samples))
 
     def describe(self, config: LMConfig) -> str:
-        c = config.model_config
+        c, shape = config.model_config, model_shape(config.model_config)
         model = config.model_dir or f"a {config.size} {c.get('model_type')} built from its config"
-        return (f"{model} ({c.get('num_hidden_layers')} blocks, width {c.get('hidden_size')}), "
+        return (f"{model} ({shape['layers']} blocks, width {shape['hidden_size']}), "
                 f"{config.strategy}; {config.corpus.describe()}, tokenizer {config.tokenizer}")
 
     def train_size(self, config: LMConfig) -> int:
         return len(config.train)
 
     def signature(self, config: LMConfig) -> dict:
-        c = config.model_config
+        c, shape = config.model_config, model_shape(config.model_config)
         return {"model": config.model_dir or config.size, "model_type": c.get("model_type"),
-                "vocab_size": c.get("vocab_size"), "hidden_size": c.get("hidden_size"),
-                "layers": c.get("num_hidden_layers"), "block_size": int(config.corpus.blocks.shape[1])}
+                "vocab_size": c.get("vocab_size"), "hidden_size": shape["hidden_size"],
+                "layers": shape["layers"], "block_size": int(config.corpus.blocks.shape[1])}
 
     def model(self, config: LMConfig) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM

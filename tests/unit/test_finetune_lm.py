@@ -100,3 +100,20 @@ def test_bad_model_or_corpus_is_one_line_before_training(tmp_path, case):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"finetune_lm: error: {want}"), last
     assert "epoch 1" not in run.stdout and not (tmp_path / "runs" / "bad").exists()
+
+
+def test_the_models_shape_is_read_through_its_architectures_own_names():
+    """A GPT-2 config's dict holds n_layer, n_embd and n_positions: the run's description, its
+    checkpoint signature and the block-size check read them as a Llama's are read (a differently
+    sized GPT-2's checkpoint would otherwise pass the signature and fail later in DCP)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    import finetune_lm
+
+    gpt2 = GPT2Config(vocab_size=600, n_layer=3, n_embd=64, n_head=4, n_positions=128).to_dict()
+    assert "num_hidden_layers" not in gpt2 and "hidden_size" not in gpt2
+    assert finetune_lm.model_shape(gpt2) == {"layers": 3, "hidden_size": 64, "positions": 128}
+    llama = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=64).to_dict()
+    assert finetune_lm.model_shape(llama) == {"layers": 2, "hidden_size": 32, "positions": 64}
