@@ -102,6 +102,16 @@ def failures(report: Path, most: int = 8) -> list[str]:
     return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
 
 
+def slowest(report: Path, most: int = 10) -> list[str]:
+    """A tier's `most` slowest tests from its JUnit report (pytest's own seconds for each: setup,
+    call and teardown), slowest first: a test whose time doubles shows in CI's log."""
+    if not report.is_file():
+        return []
+    cases = [(float(c.get("time") or 0), f"{c.get('classname', '').rsplit('.', 1)[-1]}::{c.get('name')}")
+             for c in ET.parse(report).getroot().iter("testcase")]
+    return [f"{seconds:7.1f} s  {name}" for seconds, name in sorted(cases, key=lambda c: -c[0])[:most]]
+
+
 class DiskWatch(threading.Thread):
     """The least free space seen on `path`'s filesystem, every `every` seconds until stopped."""
 
@@ -223,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
     ordered = [results[t] for t in order]
     budget = budgets()
+    for r in ordered:
+        if slow := slowest(a.reports / f"{r.tier}.xml"):
+            print(f"\nslowest in {r.tier}:")
+            for line in slow:
+                print(f"  {line}")
     for r in ordered:
         if r.failed:
             print(f"\nfailed in {r.tier}:")

@@ -62,6 +62,11 @@ def test_lanes_run_side_by_side_and_the_last_line_sums_every_tier(tiers, capsys)
     assert digest[1] == "  tier_mixed::test_bad: assert 1 == 2", digest
     disk = r"disk \(.*reports\): [\d.]+ GB free at the start, [\d.]+ GB at the least"
     assert re.fullmatch(disk, digest[3]), digest
+    # each tier's slowest tests, slowest first, with pytest's own seconds
+    slow = out[out.index("slowest in green:"):out.index("slowest in mixed:")].splitlines()
+    assert re.fullmatch(r"  +2\.\d s  tier_green::test_a", slow[1]), slow
+    assert re.fullmatch(r"  +0\.\d s  tier_green::test_b", slow[2]), slow
+    assert "slowest in empty:" not in out  # no test, no line
 
 
 def test_many_failures_are_cut_to_a_few_lines_and_a_count(tmp_path):
