@@ -1,7 +1,8 @@
 """The one rule for anything that would restart Ray: never under a running job unless asked.
 
 Used by every path that restarts Ray (roles/ray: its settings; roles/docker_engine: the engine;
-roles/firewall: turned off; roles/nvidia: the reboot for the driver; cluster-down; rotate-token);
+roles/firewall: turned off; roles/nvidia: the reboot for the driver; cluster-down; rotate-token),
+and by the run history's restart (roles/tracking: a job on the head could take its port meanwhile);
 tests/unit/test_ansible.py covers each case.
   restart_refusal: "" when the restart may go ahead, else the one line that stops it: the node,
                    what would restart, the jobs the head named before any role ran (roles/control_host,
@@ -20,8 +21,9 @@ WORKER = ("on a worker it stops the job's workers there: a job with --max-failur
           "last checkpoint (with --num-workers MIN-MAX on the nodes left), any other job fails")
 
 
-def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced) -> str:
-    """`control`: hostvars['localhost'], where roles/control_host keeps control_running_jobs."""
+def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced, effect: str = "") -> str:
+    """`control`: hostvars['localhost'], where roles/control_host keeps control_running_jobs;
+    `effect`: what the restart does to the running jobs, where it is not Ray's (HEAD, WORKER)."""
     if _forced(forced):
         return ""
     jobs = control.get("control_running_jobs")
@@ -30,8 +32,9 @@ def restart_refusal(control: dict, host: str, what: str, is_head: bool, forced) 
                 f"host's play was left out, e.g. by --limit: add localhost to it); nothing was restarted")
     if not jobs:
         return ""
+    effect = effect or (HEAD if is_head else WORKER)
     return (f"{host}: {what}, but {len(jobs)} job(s) run on the cluster ({', '.join(jobs)}), so "
-            f"nothing was restarted: {HEAD if is_head else WORKER}; run again when they have ended, "
+            f"nothing was restarted: {effect}; run again when they have ended, "
             f"or set dlc_restart_running_jobs: true to restart now")
 
 

@@ -613,6 +613,11 @@ def test_a_restart_under_running_jobs_is_one_line_that_tells_what_it_does():
     assert dlc_jobs.restart_refusal(jobs, "node-1", "x", True, True) == ""
     assert dlc_jobs.restart_refusal(jobs, "node-1", "x", True, "True") == ""
     assert dlc_jobs.restart_refusal({"control_running_jobs": []}, "node-1", "x", True, False) == ""
+    # the run history's restart says what it does, not Ray's
+    history = dlc_jobs.restart_refusal(jobs, "node-1", "the run history runs with settings older than x",
+                                       True, False, "a job on the head could take its port")
+    assert history.endswith("nothing was restarted: a job on the head could take its port; run again when "
+                            "they have ended, or set dlc_restart_running_jobs: true to restart now"), history
     # the head was never asked (a --limit left the control host's play out): closed, not open
     closed = dlc_jobs.restart_refusal({}, "node-3", "x", False, False)
     assert "did not ask the head which jobs run" in closed and "nothing was restarted" in closed
