@@ -158,9 +158,9 @@ def test_a_run_links_to_the_page_the_operator_opens_and_keeps_the_nodes_beside_i
 def test_credentials_in_the_environments_url_turn_tracking_off_and_are_never_echoed(clean):
     """DLC_TRACKING_URL gets the --tracking flag's check: a URL with user:password in it would land
     in the run's log line and manifest; the run goes on untracked, its reason naming the host only."""
-    clean.setenv(tracking.URL_ENV, "https://dlc-jobs:s3cret@10.0.0.1:5000/")
+    clean.setenv(tracking.URL_ENV, "https://dlc-jobs:s3cret@127.0.0.1:5000/")
     url, how = tracking.setting("auto")
     assert url is None and "s3cret" not in how and "dlc-jobs" not in how
-    assert how.startswith(f"{tracking.URL_ENV} 'https://***@10.0.0.1:5000' holds credentials"), how
-    clean.setenv(tracking.URL_ENV, "https://10.0.0.1:5000/")
-    assert tracking.setting("auto") == ("https://10.0.0.1:5000", tracking.URL_ENV)
+    assert how.startswith(f"{tracking.URL_ENV} 'https://***@127.0.0.1:5000' holds credentials"), how
+    clean.setenv(tracking.URL_ENV, "https://127.0.0.1:5000/")
+    assert tracking.setting("auto") == ("https://127.0.0.1:5000", tracking.URL_ENV)
