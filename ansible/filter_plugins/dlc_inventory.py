@@ -61,6 +61,8 @@ SQL_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # URLs written into every node's ray.env (KEY=VALUE lines): a scheme, a host and a port, a path
 URLS = ("dlc_tracking_page_url",)
 URL = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(/[A-Za-z0-9._~/-]*)?")
+# the run history's name on the cluster's network (dlc_tracking_name): DNS labels
+DNS_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
 # images pulled onto the nodes by reference and run as root: pinned by digest (a tag can move)
 PINNED_IMAGES = ("metrics_dcgm_exporter_image",)
 PINNED = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}")
@@ -317,6 +319,20 @@ def merged(lines: list) -> list:
     return [f"{', '.join(dict.fromkeys(h))}: {what}" for what, h in hosts.items()]
 
 
+def tracking_name_problems(name: str, hosts: list) -> list:
+    """The run history's name (dlc_tracking_name): a DNS name, and no server's: every node's certificate
+    names its server (roles/ray), and a job reads its node's key."""
+    if not DNS_NAME.fullmatch(name) or name.rstrip(".").count(".") == 0:
+        return [f"all: dlc_tracking_name is {name!r}: the run history's name on the cluster's network "
+                f"is a DNS name of two labels or more, such as run-history.dlcluster.internal "
+                f"(lower case letters, digits, - and .)"]
+    if name.lower() in {str(h).lower() for h in hosts} | {"localhost"}:
+        return [f"all: dlc_tracking_name is {name!r}, a server's name: that server's certificate names "
+                f"it too, and its key (which jobs read) could pose as the run history: choose a name "
+                f"no server has, such as run-history.dlcluster.internal"]
+    return []
+
+
 def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None = None) -> list:
     """Every problem of the nodes (and the bastion's port and address), in inventory order.
     `cluster`: cluster-wide values as the play resolved them (checked once, as `all`)."""
@@ -329,6 +345,9 @@ def inventory_problems(nodes: list, hostvars, bastion: str, cluster: dict | None
     if name is not None and not NAME.fullmatch(str(name)):
         out.append(f"all: the cluster's name is {str(name)!r} (dlc_cluster_name, else the inventory's "
                    f"folder): use letters, digits, . _ - (a folder under $DLC_CONFIG/clusters)")
+    tracking = (cluster or {}).get("dlc_tracking_name")
+    if tracking is not None:
+        out.extend(tracking_name_problems(str(tracking), [*nodes, bastion]))
     seen = {}
     for host in [*nodes, bastion]:  # into certificates (a root shell's -subj), /etc/hosts, the ssh config
         if not NAME.fullmatch(str(host)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import (
     BIN,
     METRICS_PORT,
@@ -32,6 +33,9 @@ from tests.promql import wait_for_query
 from trainkit import record, tracking
 
 pytestmark = pytest.mark.timeout(1800)
+# the run history's name on the cluster's network (its certificate's, the nodes' DLC_TRACKING_URL)
+TRACKING_NAME = yaml.safe_load((REPO / "ansible/roles/cluster_defaults/defaults/main.yml").read_text()
+                               )["dlc_tracking_name"]
 
 
 @dataclass
@@ -278,6 +282,17 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
                         ("/var/lib/dlcluster", "750 root raysvc")):
         assert emulated.ssh("node-1", f"sudo stat -c '%a %U %G' {path}").stdout.split() == owner.split(), path
     assert emulated.ssh("node-1", "sudo", "-u", "raysvc", "kill", "-0", pid).returncode != 0
+    # nor reach it past its TLS end, nor take its place: it listens on its socket, in a folder of its
+    # own and of its fronts' group (its TLS end, the operators' ssh account), on no port
+    assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /run/dlc-mlflow").stdout.split() == [
+        "750", "dlc-mlflow", "dlc-mlflow-front"]
+    past = emulated.ssh("node-1", "sudo -u raysvc curl -sS --unix-socket /run/dlc-mlflow/server.sock "
+                                  "http://localhost/health")
+    assert past.returncode != 0 and "Permission denied" in past.stderr, (past.stdout, past.stderr)
+    assert emulated.ssh("node-1", "sudo curl -sf --unix-socket /run/dlc-mlflow/server.sock "
+                                  "http://localhost/health").stdout == "OK"  # (the control: root may)
+    listening = emulated.ssh("node-1", "ss -Hltn").stdout
+    assert "127.0.0.1:5000 " not in listening and f"{NODES['node-1']}:5000 " in listening, listening
     # MLflow's client reads its credentials from the environment only: set for this test alone
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
@@ -302,7 +317,7 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     # nodes' address (the head's private one) beside it
     experiment, run_id = run_.info.experiment_id, run_.info.run_id
     link = tracking.run_page(r.tracking_url, experiment, run_id)  # in MLflow's model-training view
-    node_link = tracking.run_page(f"https://{NODES['node-1']}:5000", experiment, run_id)  # its TLS end
+    node_link = tracking.run_page(f"https://{TRACKING_NAME}:5000", experiment, run_id)  # its TLS end
     assert (manifest["tracking"]["page"], manifest["tracking"]["node_page"]) == (link, node_link)
     assert f"registered model: ddp_autoencoder version {version.version} (run history: {link} (on the " \
            f"cluster's network: {node_link}))" in readme_run.out, readme_run.out[-3000:]
@@ -370,7 +385,9 @@ def test_the_run_historys_credentials_never_cross_the_network_in_the_clear(emula
     env = dict(line.split("=", 1) for line in emulated.ssh("node-2", "cat", "/etc/dlcluster/ray.env"
                                                             ).stdout.splitlines() if "=" in line and
                not line.startswith("#"))
-    assert env["DLC_TRACKING_URL"] == f"https://{NODES['node-1']}:5000", env.get("DLC_TRACKING_URL")
+    assert env["DLC_TRACKING_URL"] == f"https://{TRACKING_NAME}:5000", env.get("DLC_TRACKING_URL")
+    # the name every node's /etc/hosts gives the head's address (roles/ray: dlc-hosts)
+    assert f"{NODES['node-1']} {TRACKING_NAME} # dlcluster" in emulated.ssh("node-2", "cat /etc/hosts").stdout
     jobs_user, jobs_password = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth"
                                             ).stdout.strip().split(":", 1)
     ca = tmp_path / "ca.crt"
@@ -391,6 +408,7 @@ def test_the_run_historys_credentials_never_cross_the_network_in_the_clear(emula
     def client(cert: Path | None) -> subprocess.CompletedProcess:
         mount = ["-v", f"{ca}:/ca.crt:ro", "-e", "MLFLOW_TRACKING_SERVER_CERT_PATH=/ca.crt"] if cert else []
         argv = ["docker", "run", "--rm", "--network", "dlc-emu-private", "--ip", "172.31.251.57",
+                "--add-host", f"{TRACKING_NAME}:{NODES['node-1']}",  # as a node's /etc/hosts names it
                 "-e", f"DLC_TRACKING_URL={env['DLC_TRACKING_URL']}", "-e", "MLFLOW_TRACKING_USERNAME",
                 "-e", "MLFLOW_TRACKING_PASSWORD", "-e", "MLFLOW_HTTP_REQUEST_MAX_RETRIES=0", *mount,
                 "dlcluster:cpu", "python", "-c", CLIENT]  # the credentials from the environment, not argv

@@ -170,6 +170,6 @@ def test_a_link_where_root_makes_a_folder_is_refused_and_followed_nowhere(emulat
     finally:
         emulated.ssh(head, "sudo rm -f /var/lib/dlc-mlflow-artifacts/leak")
         emulated.ssh(head, "sudo systemctl restart dlc-mlflow", timeout=120)
-    up = emulated.ssh(head, "for i in $(seq 120); do curl -sf http://127.0.0.1:5000/health && exit 0; "
-                            "sleep 1; done; exit 1", timeout=180)
+    up = emulated.ssh(head, "for i in $(seq 120); do sudo curl -sf --unix-socket /run/dlc-mlflow/server.sock "
+                            "http://localhost/health && exit 0; sleep 1; done; exit 1", timeout=180)
     assert up.returncode == 0, up.stderr

@@ -3,6 +3,7 @@ log, the playbooks' syntax against both inventories, and docs/servers.md naming 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -295,7 +296,7 @@ def test_ray_unit_requires_the_shared_storage_mount():
                 dlc_shared_storage_path="/srv/data", ray_shm_size="8g", ray_num_gpus_effective=2,
                 dlc_ray_user="ray", dlc_ray_user_uid=1500, ray_temp_dir="/var/tmp/ray",
                 ray_home="/var/lib/ray", dlc_image="dlcluster:gpu", ray_tls=True, ray_tls_dir="/etc/dlc/tls",
-                dlc_tracking=True,
+                dlc_tracking=True, dlc_tracking_name="run-history.dlcluster.internal", ray_head_ip="10.0.0.1",
                 ray_start_args=["--address=10.0.0.1:6379", "--resources", '{"nvme": 1, "ssd": 2}'])
     unit = env.get_template("dlc-ray.service.j2").render(**node)
     lines = unit.splitlines()
@@ -306,9 +307,12 @@ def test_ray_unit_requires_the_shared_storage_mount():
     assert "Wants=docker.service" in lines and "Requires=docker.service" not in lines
     assert "ExecStart=/usr/local/sbin/dlc-ray-container run" in lines
     assert "ExecStop=/usr/local/sbin/dlc-ray-container stop" in lines
+    # the run history's name back in /etc/hosts before Ray starts (as root), and in its container's
+    assert "ExecStartPre=+/usr/local/sbin/dlc-hosts run-history.dlcluster.internal 10.0.0.1" in lines
     script = env.get_template("dlc-ray-container.j2").render(**node)
     start = next(line.strip() for line in script.splitlines() if line.strip().startswith("exec docker run"))
     assert "-v /srv/data:/srv/data" in start and "--gpus all" in start and "--shm-size 8g" in start
+    assert "--add-host run-history.dlcluster.internal:10.0.0.1" in start
     # Ray's uid and its group: the token (root:Ray's group, 0640) is readable whatever the image's
     # own user is (an operator's dlc_ray_user_uid other than its 1000 has no entry there)
     assert "--user 1500:1500" in start
@@ -701,12 +705,13 @@ def test_numbers_given_on_the_command_line_are_cast_before_arithmetic():
     assert {k: v for k, v in found.items() if v} == {}
 
 
-def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_files(tmp_path, monkeypatch):
-    """roles/tracking's units, rendered for both runtimes: MLflow's basic-auth app on the head's
-    loopback, its database URI (a password) only in the 0640 environment file, never on the
-    command line `ps` shows; the docker runtime's container reads the same files. Its TLS end
-    (stunnel, as the server's account, never without the firewall) takes the private address to
-    the loopback with the CA's certificate."""
+def test_the_run_history_service_listens_on_its_socket_and_keeps_its_secrets_in_files(tmp_path, monkeypatch):
+    """roles/tracking's units, rendered for both runtimes: MLflow's basic-auth app on its own
+    socket, in a folder made anew at each start for its account and the group of its fronts; its
+    database URI (a password) only in the 0640 environment file, never on the command line `ps`
+    shows; the docker runtime's container reads the same files. Its TLS end (stunnel, as the
+    server's account, never without the firewall) takes the private address to the socket with the
+    CA's certificate."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/tracking/templates"),
@@ -714,6 +719,7 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
     env.filters["bool"] = bool
     env.filters["quote"] = shlex.quote
+    env.filters["dirname"] = os.path.dirname
     head = dict(ansible_managed="managed", dlc_cluster_name="c", dlc_ray_runtime="host",
                 firewall_enabled=True, dlc_shared_storage_path="/srv/data", dlc_ray_user="ray",
                 dlc_ray_user_uid=1500,
@@ -722,7 +728,9 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
                 tracking_db_user="mlflow", tracking_db="mlflow", tracking_auth_db="mlflow_auth",
                 tracking_db_password="dbpw", tracking_session_key="key", dlc_tracking_user="dlc",
                 tracking_password="pw", tracking_service_user="dlc-mlflow", tracking_account={"uid": 998},
-                tracking_group={"gid": 997}, tracking_auth_module_dir=yaml.safe_load(
+                tracking_group={"gid": 997}, dlc_tracking_socket="/run/dlc-mlflow/server.sock",
+                tracking_front_group="dlc-mlflow-front", tracking_allowed_hosts="h:5000,localhost",
+                tracking_auth_module_dir=yaml.safe_load(
                     (REPO / "ansible/roles/tracking/vars/main.yml").read_text())["tracking_auth_module_dir"],
                 tracking_auth_cache_seconds=yaml.safe_load(
                     (REPO / "ansible/roles/tracking/defaults/main.yml").read_text()
@@ -731,7 +739,10 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
         unit = env.get_template("dlc-mlflow.service.j2").render(**{**head, "dlc_ray_runtime": runtime})
         lines = unit.splitlines()
         start = next(line for line in lines if line.startswith("ExecStart="))
-        assert "--app-name basic-auth --host 127.0.0.1 --port 5000" in start, start
+        assert "--app-name basic-auth --host 127.0.0.1 --port 5000 --uvicorn-opts '--uds " \
+               "/run/dlc-mlflow/server.sock' --allowed-hosts h:5000,localhost" in start, start
+        assert "ExecStartPre=+/bin/sh -c 'rm -rf \"$$0\" && install -d -o dlc-mlflow -g dlc-mlflow-front " \
+               "-m 0750 \"$$0\"' /run/dlc-mlflow" in lines, lines
         assert "dbpw" not in unit and "pw" not in shlex.split(start)
         assert "Requires=postgresql.service" in lines
         assert "RequiresMountsFor=/var/lib/dlc-mlflow-artifacts" in lines
@@ -748,11 +759,12 @@ def test_the_run_history_service_binds_the_loopback_and_keeps_its_secrets_in_fil
             assert "-v /etc/dlcluster/mlflow-auth.ini:/etc/dlcluster/mlflow-auth.ini:ro" in start
             module = "/usr/local/lib/dlc-mlflow"
             assert f"-v {module}:{module}:ro -e PYTHONPATH={module}" in start
+            assert "-v /run/dlc-mlflow:/run/dlc-mlflow " in start
     tls_unit = env.get_template("dlc-mlflow-tls.service.j2").render(**head).splitlines()
     assert "ExecStart=/usr/bin/stunnel4 /etc/dlcluster/mlflow-tls.conf" in tls_unit
     assert "User=dlc-mlflow" in tls_unit and "Requires=dlc-firewall.service" in tls_unit
     tls = env.get_template("mlflow-tls.conf.j2").render(**head, tracking_tls_dir="/etc/t").splitlines()
-    assert ["accept = 10.0.0.1:5000", "connect = 127.0.0.1:5000", "cert = /etc/t/server.crt",
+    assert ["accept = 10.0.0.1:5000", "connect = /run/dlc-mlflow/server.sock", "cert = /etc/t/server.crt",
             "key = /etc/t/server.key", "sslVersionMin = TLSv1.2"] == [
         line for line in tls if line.split(" ")[0] in ("accept", "connect", "cert", "key", "sslVersionMin")]
     settings = env.get_template("mlflow.env.j2").render(**head)
@@ -963,11 +975,39 @@ def test_remove_node_re_keys_unless_told_not_to(rekey, action, new_ca):
     assert f"msg: {action}|{new_ca}\n" in proc.stdout, proc.stdout[-2000:]  # (the YAML result format)
 
 
+def handshake(crt: Path, key: Path, ca: Path, name: str) -> str:
+    """A real TLS handshake on a local socket: a server with crt/key, a client that checks it
+    against `ca` for `name` (as Python's ssl does for requests). "ok", or the client's error."""
+    import socket
+    import ssl
+    import threading
+
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(crt, key)
+    checking = ssl.create_default_context(cafile=str(ca))
+    a, b = socket.socketpair()
+    with a, b:
+        def serve():
+            with contextlib.suppress(ssl.SSLError, OSError):
+                serving.wrap_socket(a, server_side=True).close()
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            checking.wrap_socket(b, server_hostname=name).close()
+            return "ok"
+        except ssl.SSLCertVerificationError as e:
+            return str(e)
+        finally:
+            b.close()
+            thread.join(timeout=10)
+
+
 @pytest.mark.skipif(not shutil.which("openssl"), reason="no openssl on this machine")
 def test_one_script_makes_the_nodes_and_the_run_historys_certificates_as_their_tasks_call_it(tmp_path):
     """dlc-cert, run as roles/ray's tasks (request on the node, sign on the head, install) and
-    roles/tracking's (all on the head) call it: a certificate of the CA for the address, kept while
-    valid, made again for another address or a new CA."""
+    roles/tracking's (all on the head) call it: a certificate of the CA for the address (the run
+    history's: its name alone), kept while valid, made again for another address or name or a new
+    CA. A client that checks the run history's name refuses a node's certificate."""
     import grp
 
     ca, node, server = tmp_path / "ca", tmp_path / "tls", tmp_path / "tracking"
@@ -978,7 +1018,8 @@ def test_one_script_makes_the_nodes_and_the_run_historys_certificates_as_their_t
     group = grp.getgrgid(os.getgid()).gr_name
     values = dict(ray_tls_dir=str(node), ray_tls_ca_dir=str(ca), ray_tls_days=30, ray_tls_renew_days=5,
                   dlc_ray_user=group, inventory_hostname="node-2", dlc_node_ip="10.0.0.12",
-                  tracking_tls_dir=str(server), tracking_service_user=group, dlc_cluster_name="c")
+                  tracking_tls_dir=str(server), tracking_service_user=group, dlc_cluster_name="c",
+                  dlc_tracking_name="run-history.dlcluster.internal")
 
     def node_run(**more) -> str:
         v = {**values, **more}
@@ -1008,8 +1049,19 @@ def test_one_script_makes_the_nodes_and_the_run_historys_certificates_as_their_t
     assert oct((node / "node.key").stat().st_mode & 0o777) == "0o640"
     assert node_run() == "" and (node / "node.crt").read_text() == first  # valid: kept
     assert node_run(dlc_node_ip="10.0.0.1") and (node / "node.crt").read_text() != first  # a prefix of .12
-    assert server_run() == "made" and "IP Address:10.0.0.12" in text(server / "server.crt")
+    assert server_run() == "made"
+    names = text(server / "server.crt").split("Subject Alternative Name:")[1].split("\n")[1].strip()
+    assert names == "DNS:run-history.dlcluster.internal", names  # its name alone: no address, no node's
     assert server_run() == ""
+    assert server_run(dlc_tracking_name="history.other.internal") == "made"  # another name: made again
+    server_run(dlc_tracking_name="run-history.dlcluster.internal")
+    # a client as the nodes' (MLflow's requests: the CA, the name in DLC_TRACKING_URL) takes the run
+    # history's certificate, and refuses a node's, whose key a job on that node reads
+    assert handshake(server / "server.crt", server / "server.key", ca / "ca.crt",
+                     "run-history.dlcluster.internal") == "ok"
+    refused = handshake(node / "node.crt", node / "node.key", ca / "ca.crt", "run-history.dlcluster.internal")
+    assert "Hostname mismatch" in refused, refused
+    assert handshake(node / "node.crt", node / "node.key", ca / "ca.crt", "10.0.0.1") == "ok"  # (the control)
     subprocess.run(["sh", "-c", _ca_script(ca, True)], check=True, capture_output=True)  # rotate-token's CA
     assert server_run() == "made"
     subprocess.run(["openssl", "verify", "-CAfile", str(ca / "ca.crt"), str(server / "server.crt")],

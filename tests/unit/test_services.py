@@ -92,7 +92,8 @@ dlc_fifth: true
 FORWARDS_PLAY = """\
 - hosts: localhost
   gather_facts: false
-  vars_files: [{roles}/cluster_defaults/defaults/main.yml, {roles}/control_host/vars/main.yml]
+  vars_files: [{roles}/cluster_defaults/defaults/main.yml, {roles}/cluster_defaults/vars/main.yml,
+               {roles}/control_host/vars/main.yml]
   tasks:
     - ansible.builtin.debug:
         msg: "FORWARDS={{{{ control_forwards | map(attribute='forward') | join(',') }}}}"
@@ -117,13 +118,14 @@ def test_the_tunnel_forwards_each_service_the_cluster_runs(tmp_path):
     head = "172.31.251.11"
     assert forwards(ANSIBLE / "roles", tmp_path) == [
         f"127.0.0.1:8265:{head}:8265", f"127.0.0.1:9090:{head}:9090", f"127.0.0.1:3000:{head}:3000",
-        "127.0.0.1:5000:127.0.0.1:5000"]  # the run history listens on the head's loopback (head_loopback)
+        "127.0.0.1:5000:/run/dlc-mlflow/server.sock"]  # the run history listens on its socket (head_socket)
     # Grafana needs the metrics stack: off with either; the run history off alone
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_metrics=false", "-e", "dlc_tracking=false") == [
         f"127.0.0.1:8265:{head}:8265"]
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_grafana=false", "-e",
                     "dlc_tunnel_port=18265") == [
-        f"127.0.0.1:18265:{head}:8265", f"127.0.0.1:9090:{head}:9090", "127.0.0.1:5000:127.0.0.1:5000"]
+        f"127.0.0.1:18265:{head}:8265", f"127.0.0.1:9090:{head}:9090",
+        "127.0.0.1:5000:/run/dlc-mlflow/server.sock"]
 
 
 def test_a_fifth_service_is_one_entry_in_the_list(tmp_path, monkeypatch):
