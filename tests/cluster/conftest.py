@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ BIN = Path(sys.executable).parent
 
 # What Ray prints that a user cannot act on, turned off by the harness (the report dumps, the
 # preemption watcher) and by ray-client.env (the ignore-file notices, the venv warnings)
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")  # a job's status once it has ended
 RAY_NOISE = ("Reporting training result", "PreemptionWatcher", "Ignoring upload to cluster",
              "is now ignored by default")
 
@@ -70,6 +73,18 @@ class LocalCluster:
             raise
         print(proc.stdout[-6000:])
         return proc
+
+    def jobs(self) -> dict[str, str]:
+        """Every job the job API lists: submission id -> status ({} when it does not answer)."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.dashboard_port}/api/jobs/")
+        token = Path(self.client_env()["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                listed = json.loads(r.read())
+            return {j["submission_id"]: j["status"] for j in listed if j.get("submission_id")}
+        except OSError:
+            return {}
 
     def submit_all(self, job: str, cases: dict[str, list[str]], timeout: int = 240,
                    ) -> dict[str, subprocess.CompletedProcess]:
@@ -160,6 +175,28 @@ def cluster(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("dlc-config"), 6390, 8290, nodes=2)
     yield c
     stop_cluster(c)
+
+
+@pytest.fixture(autouse=True)
+def jobs_end_with_their_test(request):
+    """A job a test of the shared cluster submitted that has not ended when the test does (it failed,
+    or its client was killed) is stopped with ray job stop and waited for: the tests after it find
+    the cluster's CPUs free."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    c = request.getfixturevalue("cluster")
+    before = set(c.jobs())
+    yield
+    left = [i for i, status in c.jobs().items() if i not in before and status not in ENDED]
+    for job_id in left:
+        subprocess.run([str(BIN / "ray"), "job", "stop", "--address", f"http://127.0.0.1:{c.dashboard_port}",
+                        job_id], cwd=REPO, env=c.client_env(), capture_output=True, timeout=120)
+    deadline = time.time() + 120
+    while left and time.time() < deadline and any(c.jobs().get(i) not in ENDED for i in left):
+        time.sleep(1)
+    if left:
+        print(f"stopped the job(s) the test left running: {', '.join(left)}")
 
 
 def read_manifest(output: Path) -> dict:

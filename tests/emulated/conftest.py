@@ -66,6 +66,11 @@ BASTION_PRIVATE = (yaml.safe_load(INVENTORY.read_text())["all"]["children"]["bas
                    ["bastion"]["ip"])
 
 
+# every Ray token this tier's tests read (Emulated.token: the fixture's cluster-up, rotate-token's,
+# remove-node's re-key), each of which saw jobs, faults and smoke: test_90 searches for all of them
+TOKENS_SEEN: set[str] = set()
+
+
 def run(cmd: list[str], env: dict, timeout: int = 900, check: bool = False) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
@@ -173,7 +178,10 @@ class Emulated:
         return {**self.env, **record.load(self.config / record.RECORD).client_env()}
 
     def token(self) -> str:
-        return (self.cluster_dir / "ray_token").read_text().strip()
+        """The cluster's token now; every one read is kept (TOKENS_SEEN) for test_90's search."""
+        token = (self.cluster_dir / "ray_token").read_text().strip()
+        TOKENS_SEEN.add(token)
+        return token
 
     def api(self, path: str, token: str | None = None) -> tuple[int, object]:
         return get_json(PORT, path, token)

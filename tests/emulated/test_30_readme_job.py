@@ -286,9 +286,11 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     # own and of its fronts' group (its TLS end, the operators' ssh account), on no port
     assert emulated.ssh("node-1", "sudo stat -c '%a %U %G' /run/dlc-mlflow").stdout.split() == [
         "750", "dlc-mlflow", "dlc-mlflow-front"]
-    past = emulated.ssh("node-1", "sudo -u raysvc curl -sS --unix-socket /run/dlc-mlflow/server.sock "
-                                  "http://localhost/health")
-    assert past.returncode != 0 and "Permission denied" in past.stderr, (past.stdout, past.stderr)
+    connect = ("python3 -c \"import socket; socket.socket(socket.AF_UNIX)"
+               ".connect('/run/dlc-mlflow/server.sock')\"")
+    past = emulated.ssh("node-1", f"sudo -u raysvc {connect}")
+    assert past.returncode != 0 and "PermissionError" in past.stderr, (past.stdout, past.stderr)
+    assert emulated.ssh("node-1", f"sudo {connect}").returncode == 0  # (the control: root connects)
     assert emulated.ssh("node-1", "sudo curl -sf --unix-socket /run/dlc-mlflow/server.sock "
                                   "http://localhost/health").stdout == "OK"  # (the control: root may)
     listening = emulated.ssh("node-1", "ss -Hltn").stdout

@@ -3,11 +3,14 @@ back)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,8 @@ from helpers import (
     registered,
     stop_run,
 )
+
+from trainkit import record
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -82,6 +87,7 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         assert NODE4 in emulated.ssh("node-1", "getent hosts node-4").stdout
         assert NODE4 in emulated.ssh("bastion", "sudo /usr/local/sbin/dlc-proxy-acl print").stdout
         old_certs, old_token = member_certs("node-4", tmp_path / "node-4-tls"), emulated.token()
+        jobs_old = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth").stdout.strip()
         # a member reaches the others' ports (the GCS on the head among them)
         reached = probe_from_node4()
         assert f"{NODES['node-1']}:6379" in reached and f"{NODES['node-2']}:22" in reached, reached
@@ -96,11 +102,21 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         assert all(after[n] != pids[n] for n in NODES), (pids, after)
         assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())
         new_token = emulated.token()
-        assert new_token != old_token and emulated.api("/api/jobs/", old_token)[0] in (401, 403)
-        # node-4's certificate and key, with the new token: TLS refuses them (a new CA)
+        assert new_token != old_token and emulated.api("/api/jobs/", old_token)[0] == 403
+        # node-4's certificate and key, with the new token: TLS refuses them (a new CA); the control
+        # at once, from the same address: node-2's new certificate with that token is answered
+        new_certs = member_certs("node-2", tmp_path / "node-2-tls")
+        control = ask_ray(emulated, new_token, new_certs, 57, "gcs-only")
         asked = ask_ray(emulated, new_token, old_certs, 57, "gcs-only")
-        print("node-4's certificate after the re-key:", asked)
+        print("node-4's certificate after the re-key:", asked, "node-2's:", control)
+        assert control["GCS"] == "3 nodes", control
         assert not asked["GCS"].endswith(" nodes") and "InvalidAuthToken" not in asked["GCS"], asked
+        # the run history's jobs' password re-keyed too: the old one (node-4 held it) refused
+        jobs_new = emulated.ssh("node-2", "sudo", "cat", "/etc/dlcluster/tracking_auth").stdout.strip()
+        assert jobs_new != jobs_old and jobs_new.startswith("dlc-jobs:"), jobs_new.split(":")[0]
+        url = record.load(emulated.config / record.RECORD).tracking_url
+        for creds, code in ((jobs_old, 401), (jobs_new, 200)):
+            assert tracking_status(f"{url}/api/2.0/mlflow/experiments/search?max_results=1", creds) == code
         desc = json.loads((emulated.config / "cluster.json").read_text())
         assert sorted(n["name"] for n in desc["nodes"]) == sorted(NODES)
         state = emulated.ssh("node-4", "systemctl is-active dlc-ray; systemctl is-enabled dlc-ray; "
@@ -125,6 +141,16 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
             back = emulated.cluster("up")
             print(f"node-4 left out of every list again by the default inventory's cluster-up: exit "
                   f"{back.returncode}", back.stderr[-2000:])
+
+
+def tracking_status(url: str, creds: str) -> int:
+    """The run history's HTTP status for `url` (through the tunnel) with `user:password`."""
+    basic = base64.b64encode(creds.encode()).decode()
+    ask = urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"})
+    try:
+        return urllib.request.urlopen(ask, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 # what a node offers on the private network: ssh, Ray's GCS, node manager and object manager, the

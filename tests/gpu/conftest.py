@@ -47,7 +47,8 @@ def gpus() -> int:
 
 def run(home: Path, *cmd: str, timeout: int = 1800) -> subprocess.CompletedProcess:
     """A command in the checkout with its own DLC_HOME; its output is printed (the tier's log)."""
-    env = {**os.environ, "DLC_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    # never into a run history that happens to be up here (make demo's, through the current record)
+    env = {**os.environ, "DLC_HOME": str(home), "PYTHONUNBUFFERED": "1", "DLC_TRACKING_URL": "off"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(list(cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)

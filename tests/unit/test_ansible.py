@@ -281,6 +281,18 @@ node-2                     : ok=9    changed=0    unreachable=0    failed=1
     assert ansible_failure.changed_hosts(log) == {"node-1": 5}
 
 
+def ansible_bool(value) -> bool:
+    """Ansible's `bool` filter (ansible.plugins.filter.core.to_bool), for templates rendered here:
+    Ansible hands them strings too (an -e value, ray_tls_new_ca's "False"), where Python's bool
+    would call "False" true."""
+    text = str(value).lower()
+    if text in ("yes", "on", "true", "1"):
+        return True
+    if text in ("no", "off", "false", "0"):
+        return False
+    return value == 1
+
+
 def test_ray_unit_requires_the_shared_storage_mount():
     """The dlc-ray unit, rendered for a docker-runtime worker with NFS storage: systemd starts
     Ray only once the storage is mounted, and the container gets the same path."""
@@ -289,7 +301,7 @@ def test_ray_unit_requires_the_shared_storage_mount():
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/ray/templates"),
                              undefined=jinja2.StrictUndefined)
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no  # Ansible's filters
-    env.filters["bool"] = bool
+    env.filters["bool"] = ansible_bool
     env.filters["quote"] = shlex.quote  # Ansible's quote
     node = dict(ansible_managed="managed", ray_is_head=False, dlc_cluster_name="c", dlc_ray_runtime="docker",
                 dlc_shared_storage="nfs", shared_storage_unit="srv-data.mount", firewall_enabled=True,
@@ -338,6 +350,12 @@ def test_ray_unit_requires_the_shared_storage_mount():
                                                                  "dlc_image": "dlcluster:cpu"})
     start = next(line.strip() for line in cpu_node.splitlines() if line.strip().startswith("exec docker run"))
     assert "--gpus" not in start and "dlcluster:cpu ray start --block" in start
+    # Ansible's strings (an -e value): "false" turns the run history off, as Ansible's bool reads it
+    off = {**node, "dlc_tracking": "false"}
+    start = next(line.strip() for line in env.get_template("dlc-ray-container.j2").render(**off).splitlines()
+                 if line.strip().startswith("exec docker run"))
+    assert "tracking_auth" not in start and "--add-host" not in start, start
+    assert "dlc-hosts" not in env.get_template("dlc-ray.service.j2").render(**off)
     no_tls = env.get_template("dlc-ray-container.j2").render(**{**node, "ray_tls": False})
     assert "/etc/dlc/tls" not in no_tls
 
@@ -717,7 +735,7 @@ def test_the_run_history_service_listens_on_its_socket_and_keeps_its_secrets_in_
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(REPO / "ansible/roles/tracking/templates"),
                              undefined=jinja2.StrictUndefined)
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
-    env.filters["bool"] = bool
+    env.filters["bool"] = ansible_bool
     env.filters["quote"] = shlex.quote
     env.filters["dirname"] = os.path.dirname
     head = dict(ansible_managed="managed", dlc_cluster_name="c", dlc_ray_runtime="host",
@@ -936,7 +954,7 @@ def _task(path: str, name: str, **values) -> dict:
     import jinja2
 
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["bool"] = bool  # Ansible's filters, for the Python values given here
+    env.filters["bool"] = ansible_bool  # Ansible's filters
     env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
 
     def render(v):
@@ -1082,6 +1100,7 @@ def test_the_ca_is_made_once_anew_only_when_asked_and_a_torn_pair_is_made_again(
     made, first = run_ca(False)
     assert made == "made" and oct((ca / "ca.key").stat().st_mode & 0o777) == "0o600"
     assert run_ca(False) == ("", first)  # kept
+    assert run_ca("False") == ("", first)  # kept: the string Ansible renders for cluster-up's false
     rotated, second = run_ca(True)
     assert rotated == "made" and second != first
     (ca / "ca.crt").write_text(first)  # the new key beside the old certificate
