@@ -76,7 +76,7 @@ export ANSIBLE_SSH_CONTROL_PATH_DIR
 export DLC_PROGRESS_DIR="$config/clusters/$name/progress"  # image shipping progress (callback_plugins/dlc_progress.py)
 export ANSIBLE_FORCE_COLOR=${ANSIBLE_FORCE_COLOR:-0} PYTHONUNBUFFERED=1
 
-token_before=$(cksum <"$config/clusters/$name/ray_token" 2>/dev/null || true)  # remove-node: re-keyed?
+token_before=$(cksum 2>/dev/null <"$config/clusters/$name/ray_token" || true)  # remove-node: re-keyed?
 read -r -a extra <<<"${ANSIBLE_ARGS:-}"  # e.g. "--limit node-2 -v": words, no globbing
 set +e
 (cd ansible && ../.venv-ansible/bin/ansible-playbook -i "$inventory" \

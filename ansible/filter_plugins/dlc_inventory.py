@@ -326,7 +326,7 @@ def tracking_name_problems(name: str, hosts: list) -> list:
         return [f"all: dlc_tracking_name is {name!r}: the run history's name on the cluster's network "
                 f"is a DNS name of two labels or more, such as run-history.dlcluster.internal "
                 f"(lower case letters, digits, - and .)"]
-    if name.lower() in {str(h).lower() for h in hosts} | {"localhost"}:
+    if name in {str(h).lower() for h in hosts}:
         return [f"all: dlc_tracking_name is {name!r}, a server's name: that server's certificate names "
                 f"it too, and its key (which jobs read) could pose as the run history: choose a name "
                 f"no server has, such as run-history.dlcluster.internal"]

@@ -178,7 +178,19 @@ CLUSTER_BAD = [
     ({"dlc_cluster_name": "team/lab"}, "all: the cluster's name is 'team/lab'"),
     ({"dlc_cluster_name": "../lab"}, "all: the cluster's name is '../lab'"),
     ({"dlc_config": "/home/me/my config"}, "all: DLC_CONFIG is '/home/me/my config'"),
+    ({"dlc_tracking_name": "Run History"}, "all: dlc_tracking_name is 'Run History': the run history's name"),
+    ({"dlc_tracking_name": "gpu-node-2"}, "all: dlc_tracking_name is 'gpu-node-2': the run history's name"),
 ]
+
+
+def test_the_run_historys_name_is_no_servers():
+    """A server's certificate names the server (roles/ray), and its key is its jobs': the run
+    history's name may not be one; the default passes."""
+    servers = ["gpu-1.lab.example", "bastion"]
+    assert dlc_inventory.tracking_name_problems("run-history.dlcluster.internal", servers) == []
+    (line,) = dlc_inventory.tracking_name_problems("gpu-1.lab.example", servers)
+    assert line.startswith("all: dlc_tracking_name is 'gpu-1.lab.example', a server's name"), line
+    assert "choose a name no server has" in line
 
 
 def parsed(tmp_path: Path, text: str) -> dict:
