@@ -6,8 +6,10 @@ does: `ray job submit --working-dir <repo> -- python jobs/<job>.py ...`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,10 +142,28 @@ def stop_cluster(c: LocalCluster) -> None:
     (STARTED / f"{port}-{c.dashboard_port}").unlink(missing_ok=True)
 
 
+# the run-history servers a test starts alone (test_tracking.py), a file each named for its pid
+SERVERS = STARTED / "mlflow"
+
+
+def stop_server(pidfile: Path) -> None:
+    """The run-history server `pidfile` names, its whole process group, killed if it is still that
+    server (a pid reused since is left alone); the file removed."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(pidfile.read_text())
+        if "mlflow" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="ignore"):
+            os.killpg(pid, signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
+
+
 def stop_leftovers() -> list[str]:
     """Each cluster an earlier run of the tier started and did not stop (killed): stopped with
-    its own `down`. What was stopped, for the log."""
+    its own `down`; each run-history server a test started alone, killed. What was stopped, for
+    the log."""
     stopped = []
+    for left in sorted(SERVERS.glob("*")) if SERVERS.is_dir() else []:
+        stop_server(left)
+        stopped.append(f"the run-history server of pid {left.name}")
     for left in sorted(STARTED.glob("*-*")) if STARTED.is_dir() else []:
         port, dashboard_port = map(int, left.name.split("-"))
         config = Path(left.read_text().strip())

@@ -6,7 +6,6 @@ and its manifest says why; `make runs` lists it; a real browser signs in and dra
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -17,9 +16,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-from conftest import REPO, plain_env, read_manifest
+from conftest import REPO, SERVERS, plain_env, read_manifest, stop_server
 from test_fault_tolerance import Running, kill, ray_train_workers
 
 from dlcluster import local_cluster
@@ -228,9 +228,11 @@ def test_torchrun_is_tracked_from_rank_0_or_says_why_not(cluster, mlflow, tmp_pa
 
 START_SERVER = """
 import sys
+from pathlib import Path
 from dlcluster import local_cluster as lc
 port = int(sys.argv[1])
 proc = lc.start_tracking(port)
+Path(sys.argv[2]).write_text(str(proc.pid))  # before it answers: a killed run's server is found
 print(proc.pid, lc.tracking_ready(proc, port))
 """
 
@@ -254,16 +256,20 @@ def test_a_restarted_server_takes_the_clusters_password_as_it_is_now(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
-    def start() -> tuple[int, str]:
-        out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", START_SERVER, str(port)], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=180)
+    # each server in the tier's state folder while it runs: the next run stops what a killed one left
+    SERVERS.mkdir(parents=True, exist_ok=True)
+    pidfiles = [SERVERS / f"{os.getpid()}-{n}" for n in range(2)]
+
+    def start(pidfile: Path) -> tuple[int, str]:
+        out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", START_SERVER, str(port), str(pidfile)],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
         pid, url = out.stdout.split()[-2:]
         assert url.startswith("http://"), out.stdout + out.stderr
         return int(pid), url
 
     auth = tmp_path / "config" / "clusters" / "local" / "tracking_auth"
-    pid, url = start()
     try:
+        pid, url = start(pidfiles[0])
         first = auth.read_text().strip().split(":", 1)
         assert signed_in_status(url, *first) == 200
         os.killpg(pid, signal.SIGKILL)
@@ -274,13 +280,13 @@ def test_a_restarted_server_takes_the_clusters_password_as_it_is_now(tmp_path):
             assert time.time() < deadline, f"port {port} still answers 60 s after the server was killed"
             time.sleep(0.2)
         auth.write_text("dlc:a-password-made-anew-0123456789\n")
-        pid, url = start()
+        pid, url = start(pidfiles[1])
         assert signed_in_status(url, "dlc", "a-password-made-anew-0123456789") == 200
         assert signed_in_status(url, *first) == 401  # the old one no longer signs in
         assert "set to the cluster's" in (tmp_path / "config/clusters/local/mlflow/server.log").read_text()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        for pidfile in pidfiles:  # both, even when the second start failed after it began
+            stop_server(pidfile)
 
 
 def test_the_server_asks_for_credentials(cluster):

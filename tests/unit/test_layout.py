@@ -112,3 +112,16 @@ def test_the_readme_stays_short_enough_to_read_through():
     the rest lives in docs/ (the run log among it: docs/testing.md)."""
     lines = (REPO / "README.md").read_text().count("\n")
     assert lines <= 250, f"README.md has {lines} lines: move detail to docs/ and link it"
+
+
+def test_every_test_the_security_page_names_exists():
+    """docs/security.md names the test behind each claim: every name it gives is a test of this
+    suite, so a renamed or removed test leaves no claim resting on nothing; each claim names one."""
+    page = (REPO / "docs/security.md").read_text()
+    defined = set()
+    for f in (REPO / "tests").rglob("*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)", f.read_text(), re.M))
+    named = set(re.findall(r"`(test_\w+)`", page))  # a function's name (a file's ends in .py)
+    assert named and named <= defined, sorted(named - defined)
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
+    assert all(re.search(r"`test_\w+", row) for row in rows), [r[:80] for r in rows if "`test_" not in r]
