@@ -163,7 +163,7 @@ def stop_leftovers() -> list[str]:
     stopped = []
     for left in sorted(SERVERS.glob("*")) if SERVERS.is_dir() else []:
         stop_server(left)
-        stopped.append(f"the run-history server of pid {left.name}")
+        stopped.append(f"a run-history server a killed run left ({left.name})")
     for left in sorted(STARTED.glob("*-*")) if STARTED.is_dir() else []:
         port, dashboard_port = map(int, left.name.split("-"))
         config = Path(left.read_text().strip())
