@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -103,25 +102,22 @@ ANOTHER_RAY = "2.58.0"  # not the lock's
 
 
 def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
-    """Injected for real: on node-2 Ray's service stopped, another Ray installed in its environment,
-    the shared storage unmounted; on node-3 the collective interface set to one it lacks, the
-    token made world-readable and Ray's TLS certificate replaced by a self-signed one. One run
-    names each on its node, nothing on node-1; put back, the next run finds nothing."""
-    docker = shutil.which("docker")
-    run([str(BIN / "pip"), "download", "-q", "--no-deps", "--only-binary", ":all:",
-         f"ray=={ANOTHER_RAY}", "-d", str(tmp_path)], emulated.env, timeout=600, check=True)
-    wheel = next(tmp_path.glob("ray-*.whl"))
+    """Injected for real: on node-2 Ray's service stopped, its environment's Ray distribution
+    saying it is another version (its METADATA's `Version:`, what the probe reads, as after an
+    install of another Ray; nothing fetched from PyPI), the shared storage unmounted; on node-3 the
+    collective interface set to one it lacks, the token made world-readable and Ray's TLS
+    certificate replaced by a self-signed one. One run names each on its node, nothing on node-1;
+    put back, the next run finds nothing."""
     def as_root(node: str, script: str):
         return emulated.ssh(node, f"sudo sh -c {shlex.quote(script)}", timeout=300)
-    site = as_root("node-2", "/opt/venv/bin/python -c 'import os, ray; "
-                   "print(os.path.dirname(os.path.dirname(ray.__file__)))'").stdout.strip()
-    run([docker, "cp", str(wheel), f"dlc-emu-node-2:/tmp/{wheel.name}"], emulated.env, check=True)
+    meta = as_root("node-2", "/opt/venv/bin/python -c 'from importlib.metadata import distribution as d; "
+                   "print(next(f.locate() for f in d(\"ray\").files if f.name == \"METADATA\"))'"
+                   ).stdout.strip()
+    assert meta.startswith("/opt/venv/") and meta.endswith(".dist-info/METADATA"), meta
     keep, iface = "/var/tmp/doctor-keep", "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
     try:
-        as_root("node-2", f"systemctl stop dlc-ray && mkdir -p {keep}/ray {keep}/mnt && "
-                f"cp -a /opt/venv/bin {keep}/bin && "  # pip uninstall takes the ray command too
-                f"mv {site}/ray {site}/ray-*.dist-info {keep}/ray/ && "
-                f"/opt/venv/bin/pip install -q --no-deps --no-index /tmp/{wheel.name} && "
+        as_root("node-2", f"systemctl stop dlc-ray && mkdir -p {keep}/mnt && cp -p {meta} {keep}/METADATA && "
+                f"sed -i 's/^Version: .*/Version: {ANOTHER_RAY}/' {meta} && "
                 f"mount --bind /srv/dlcluster {keep}/mnt && umount -l /srv/dlcluster").check_returncode()
         # ray.env and the certificate are kept with their times: put back, they are not newer than
         # Ray's start, which would ask the next cluster-up for a restart
@@ -134,10 +130,9 @@ def test_doctor_names_each_fault_on_its_node(emulated, tmp_path):
                 f"-out {TLS}/node.crt 2>/dev/null").check_returncode()
         proc, report, lines = doctor(emulated)
     finally:
-        as_root("node-2", f"/opt/venv/bin/pip uninstall -q -y ray; mv {keep}/ray/* {site}/; "
-                f"cp -a {keep}/bin/. /opt/venv/bin/; "
+        as_root("node-2", f"cp -p {keep}/METADATA {meta}; "
                 f"mountpoint -q /srv/dlcluster || mount --bind {keep}/mnt /srv/dlcluster; "
-                f"umount {keep}/mnt; rm -rf {keep} /tmp/{wheel.name}; systemctl start dlc-ray")
+                f"umount {keep}/mnt; rm -rf {keep}; systemctl start dlc-ray")
         as_root("node-3", f"mv {keep}-ray.env /etc/dlcluster/ray.env && "
                 f"chmod 0640 /etc/dlcluster/ray_token && mv {keep}-node.crt {TLS}/node.crt")
     assert proc.returncode == 1, proc.stdout + proc.stderr
