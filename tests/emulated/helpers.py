@@ -4,12 +4,15 @@ for a test, the images. A helper one module alone uses lives in that module."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from conftest import (
@@ -140,6 +143,16 @@ PROBE = (Path(__file__).parent / "probe.py").read_text()
 STRANGER = (Path(__file__).parent / "stranger.py").read_text()
 # the head's GCS, Ray Client server, dashboard (job API), dashboard agent and metrics (roles/ray)
 PORTS_OF_THE_HEAD = ["6379", "10001", "8265", "52365", "8080"]
+
+
+def tracking_status(url: str, creds: str) -> int:
+    """The run history's HTTP status for `url` (through the tunnel) with `user:password`."""
+    basic = base64.b64encode(creds.encode()).decode()
+    ask = urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"})
+    try:
+        return urllib.request.urlopen(ask, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def member_certs(node: str, dest: Path) -> Path:

@@ -4,7 +4,6 @@ a second operator, a node that is down."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -38,6 +37,7 @@ from helpers import (
     job_status,
     operator,
     ray_pids,
+    tracking_status,
     untouched,
 )
 
@@ -305,12 +305,7 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     tracking_url = record.load(emulated.config / record.RECORD).tracking_url
 
     def answer(path: str, creds: str) -> int:
-        basic = base64.b64encode(creds.encode()).decode()
-        ask = urllib.request.Request(f"{tracking_url}{path}", headers={"Authorization": f"Basic {basic}"})
-        try:
-            return urllib.request.urlopen(ask, timeout=10).status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return tracking_status(f"{tracking_url}{path}", creds)
 
     for creds, code in ((jobs_old, 401), (jobs_new, 200)):
         assert answer("/api/2.0/mlflow/experiments/search?max_results=1", creds) == code, creds.split(":")[0]

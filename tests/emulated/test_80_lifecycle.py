@@ -3,14 +3,11 @@ back)."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,6 +28,7 @@ from helpers import (
     ray_pids,
     registered,
     stop_run,
+    tracking_status,
 )
 
 from trainkit import record
@@ -141,16 +139,6 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
             back = emulated.cluster("up")
             print(f"node-4 left out of every list again by the default inventory's cluster-up: exit "
                   f"{back.returncode}", back.stderr[-2000:])
-
-
-def tracking_status(url: str, creds: str) -> int:
-    """The run history's HTTP status for `url` (through the tunnel) with `user:password`."""
-    basic = base64.b64encode(creds.encode()).decode()
-    ask = urllib.request.Request(url, headers={"Authorization": f"Basic {basic}"})
-    try:
-        return urllib.request.urlopen(ask, timeout=10).status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 # what a node offers on the private network: ssh, Ray's GCS, node manager and object manager, the
