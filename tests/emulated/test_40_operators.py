@@ -25,6 +25,7 @@ from conftest import (
     INVENTORY,
     NODES,
     REPO,
+    TOKENS_SEEN,
     recap,
     run,
 )
@@ -277,8 +278,32 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert all(renewed[n][0] != serials[n][0] for n in NODES), (serials, renewed)
     assert all(renewed[n][1] > serials[n][1] + 100 * 86400 for n in NODES), (serials, renewed)
     old_ca = emulated.ssh("node-2", "sudo", "cat", f"{TLS}/ca.crt").stdout
+    # a link where root makes a folder on a worker (as a job could leave one on a cluster made
+    # before): rotate-token stops in one line before any node changes, and this folder keeps the
+    # cluster's token; the new one waits in pending/ until every node has it, so the next run drops
+    # it (the head never took it)
+    home = "/var/lib/dlcluster/home"
+    planted = emulated.ssh("node-2", f"sudo sh -c 'install -d -m 0700 /opt/decoy && mv {home} {home}.kept && "
+                                     f"ln -s /opt/decoy {home}'")
+    assert planted.returncode == 0, planted.stderr
+    try:
+        stopped = emulated.cluster("rotate-token")
+        last = stopped.stderr.strip().splitlines()[-1]
+        print(last)
+        assert stopped.returncode != 0 and f"node-2: {home} is a link to /opt/decoy; root makes" in last, \
+            stopped.stdout[-3000:] + stopped.stderr[-2000:]
+        assert "nothing was changed" in last and untouched(stopped)
+        pending = (emulated.cluster_dir / "pending/ray_token").read_text().strip()
+        TOKENS_SEEN.add(pending)
+        assert emulated.token() == old != pending
+        assert emulated.api("/api/jobs/", old)[0] == 200
+    finally:
+        emulated.ssh("node-2", f"sudo sh -c 'rm {home} && mv {home}.kept {home} && rmdir /opt/decoy'")
     again = emulated.cluster("rotate-token")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert "an earlier make rotate-token stopped before the head took its new token: this folder keeps " \
+           "the cluster''s" in " ".join(again.stdout.split()), again.stdout[-3000:]
+    assert not (emulated.cluster_dir / "pending").exists()
     CONVERGED["servers"] = True  # the default inventory's full run (checked below)
     for node in NODES:  # Ray runs with the inventory's setting again, on every node
         args = emulated.ssh(node, "pgrep", "-af", "raylet/raylet").stdout
@@ -294,7 +319,8 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     assert sorted(emulated.wait_for_nodes(3)) == sorted(NODES.values())  # every node took up its new one
     # the new token everywhere, never printed; the old one refused
     new = emulated.token()
-    assert new != old and re.fullmatch(r"[0-9a-f]{64}", new) and new not in again.stdout + again.stderr
+    assert new not in (old, pending) and re.fullmatch(r"[0-9a-f]{64}", new)
+    assert new not in again.stdout + again.stderr
     assert emulated.api("/api/jobs/", old)[0] == 403 and emulated.api("/api/jobs/", new)[0] == 200
     for node in NODES:
         assert emulated.ssh(node, "sudo", "cat", "/etc/dlcluster/ray_token").stdout.strip() == new

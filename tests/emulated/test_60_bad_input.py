@@ -159,6 +159,23 @@ def test_a_link_where_root_makes_a_folder_is_refused_and_followed_nowhere(emulat
     finally:
         emulated.ssh(head, "sudo sh -c 'rm /srv/dlcluster/models && mv /srv/dlcluster/models.kept "
                            "/srv/dlcluster/models && rmdir /opt/decoy'")
+    # make upgrade takes one node at a time, the workers first: a link on the head (the last) alone
+    # stops it before the first worker changes
+    home = "/var/lib/dlcluster/home"
+    planted = emulated.ssh(head, f"sudo sh -c 'install -d -m 0700 /opt/decoy && mv {home} {home}.kept && "
+                                 f"ln -s /opt/decoy {home}'")
+    assert planted.returncode == 0, planted.stderr
+    try:
+        proc = emulated.cluster("upgrade", INVENTORY, timeout=600)
+        last = proc.stderr.strip().splitlines()[-1]
+        print(last)
+        assert proc.returncode != 0 and f"{head}: {home} is a link to /opt/decoy; root makes" in last, \
+            proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "nothing was changed" in last and untouched(proc)
+        assert re.findall(r"^PLAY \[(.*?)\]", proc.stdout, re.M)[-1].startswith("Nodes, with GPUs") and \
+            not re.search(r"^TASK \[(base|firewall|ray) ", proc.stdout, re.M), proc.stdout[-3000:]
+    finally:
+        emulated.ssh(head, f"sudo sh -c 'rm {home} && mv {home}.kept {home} && rmdir /opt/decoy'")
     # the run history's server refuses to start on a link among its artifacts
     emulated.ssh(head, "sudo ln -s /etc/dlcluster /var/lib/dlc-mlflow-artifacts/leak")
     try:

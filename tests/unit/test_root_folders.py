@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -15,20 +16,30 @@ REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
 
 
-def link_refusal(tmp_path: Path, folders: list[str]) -> subprocess.CompletedProcess:
-    """plays/nodes.yml's two tasks (find the links, refuse one), as the play has them, run by
-    ansible-playbook on this machine with dlc_root_folders = `folders`."""
+LINK_TASKS = ("Look for links where root makes a folder",
+              "Look there on every later node too, before the first one changes",
+              "Refuse a link there before anything is changed")
+
+
+def link_refusal(tmp_path: Path, folders: list[str], hosts: str = "localhost", serial: int = 0,
+                 ) -> subprocess.CompletedProcess:
+    """plays/nodes.yml's tasks that find the links and refuse one, as the play has them, run by
+    ansible-playbook on this machine with dlc_root_folders = `folders`, on `hosts` (each this
+    machine), `serial` at a time, then a task that stands for the roles' changes (it writes a file)."""
     play = yaml.safe_load((ANSIBLE / "plays/nodes.yml").read_text())[0]
-    tasks = [t for t in play["pre_tasks"] if t["name"] in (
-        "Look for links where root makes a folder", "Refuse a link there before anything is changed")]
-    assert len(tasks) == 2
+    tasks = [t for t in play["pre_tasks"] if t["name"] in LINK_TASKS]
+    assert len(tasks) == len(LINK_TASKS)
+    changed = tmp_path / "changed"
+    echo = f"echo {{{{ inventory_hostname }}}} >> {changed}"
+    tasks.append({"name": "A change", "ansible.builtin.shell": echo})
     (tmp_path / "play.yml").write_text(json.dumps([{
-        "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars": {"dlc_root_folders": folders}, "tasks": tasks}]))
+        "hosts": "all", "serial": serial, "gather_facts": False, "any_errors_fatal": True,
+        "vars": {"dlc_root_folders": folders, "ansible_connection": "local",
+                 "ansible_python_interpreter": sys.executable}, "tasks": tasks}]))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
            "ANSIBLE_STRATEGY": "linear", "ANSIBLE_LOCALHOST_WARNING": "false",
            "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}
-    return subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i", "localhost,",
+    return subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i", hosts + ",",
                            str(tmp_path / "play.yml")], cwd=ANSIBLE, capture_output=True, text=True,
                           timeout=120, env=env)
 
@@ -40,6 +51,7 @@ def test_a_link_where_root_makes_a_folder_stops_the_play_in_one_line(tmp_path):
     folders = [str(storage / "runs"), str(storage / "models"), str(tmp_path / "state/home")]
     passed = link_refusal(tmp_path, folders)  # folders and absent ones: nothing to refuse
     assert passed.returncode == 0, passed.stdout[-2000:]
+    (tmp_path / "changed").unlink()  # the play went on to its change
     (storage / "models").symlink_to(etc)  # as a job would leave it
     refused = link_refusal(tmp_path, folders)
     assert refused.returncode != 0
@@ -49,6 +61,28 @@ def test_a_link_where_root_makes_a_folder_stops_the_play_in_one_line(tmp_path):
             "could), remove the link, and run again; nothing was changed'") in said, said[-2000:]
     assert f"{storage}/runs is" not in said and "state/home is" not in said
     assert (etc.stat().st_mode & 0o777, etc.stat().st_uid) == (0o700, os.getuid())
+    assert not (tmp_path / "changed").exists()
+
+
+def test_make_upgrade_looks_on_every_node_before_its_first_one_changes(tmp_path):
+    """make upgrade takes one node at a time, the head last: its first node also looks on every
+    later one, so a link there stops the run before the first node changes (three nodes, one at a
+    time; each is this machine, so each names the same link: every node is named in the one line)."""
+    storage, etc = tmp_path / "storage", tmp_path / "etc"
+    storage.mkdir()
+    etc.mkdir(mode=0o700)
+    folders = [str(storage / "runs"), str(storage / "models")]
+    passed = link_refusal(tmp_path, folders, "node-3,node-2,node-1", serial=1)
+    assert passed.returncode == 0, passed.stdout[-2000:]
+    assert (tmp_path / "changed").read_text().split() == ["node-3", "node-2", "node-1"]
+    (tmp_path / "changed").unlink()
+    (storage / "models").symlink_to(etc)
+    refused = link_refusal(tmp_path, folders, "node-3,node-2,node-1", serial=1)
+    said = " ".join(refused.stdout.split())
+    assert refused.returncode != 0, said[-2000:]
+    link = f"{storage}/models is a link to {etc}"
+    assert f"msg: 'node-3: {link}; node-2: {link}; node-1: {link}; root makes that" in said, said[-2000:]
+    assert "nothing was changed'" in said and not (tmp_path / "changed").exists()
 
 
 def test_every_root_file_task_in_rays_folders_refuses_to_follow_a_link():
