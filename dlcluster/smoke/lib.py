@@ -441,7 +441,12 @@ class Context:
         if not self.worker_nodes:
             return 1
         per_node = min(int(n["gpus"] if self.use_gpu else n["cpus"]) for n in self.worker_nodes)
-        return max(1, min(len(TRAINERS), per_node))
+        return max(1, min(len(self.trainers), per_node))
+
+    @property
+    def trainers(self) -> list[str]:
+        """The trainers this run trains (--trainers: all of TRAINERS by default)."""
+        return self.args.trainers
 
     @property
     def rec(self) -> record.ClusterRecord:

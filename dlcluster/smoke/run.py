@@ -16,9 +16,10 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
              the allreduce step's bus bandwidth, against the cluster's baseline
              (dlcluster/baseline.py): one line per figure past its threshold, a table, a plot;
              --record-baseline records one instead (make baseline: allreduce and perf only)
-  trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py and jobs/tf_cnn.py, one tiny epoch with
-             one worker per node; each must succeed and leave an ONNX model that a check job on the
-             cluster loads in onnxruntime, runs on zeros and checks against its manifest
+  trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py and jobs/tf_cnn.py (--trainers: some of
+             them), one tiny epoch with one worker per node; each must succeed and leave an ONNX
+             model that a check job on the cluster loads in onnxruntime, runs on zeros and checks
+             against its manifest
   proxyjump  (only with ssh_config and bastion) every node with an ip refuses a direct TCP
              connection to port 22 from here, and `ssh -F ssh_config NODE hostname` gets through
              the bastion
@@ -59,6 +60,7 @@ from dlcluster.smoke.lib import (
     PROG,
     STEPS,
     TIMEOUTS,
+    TRAINERS,
     Context,
     Jobs,
     check_job_api,
@@ -120,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", default=None,
                    help="perf: measure and compare only these nodes (comma-separated names of the "
                         "cluster record), and the links between them (make upgrade: the node it upgraded)")
+    p.add_argument("--trainers", default=",".join(TRAINERS),
+                   help=f"trainers: comma-separated jobs to train, of {','.join(TRAINERS)} (default: all)")
     p.add_argument("--quarantine", action="store_true",
                    help="take each node the perf step names out of Ray, as make doctor QUARANTINE=1")
     for name, f in baseline.Thresholds.model_fields.items():
@@ -146,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.thresholds = baseline.Thresholds(**{k: getattr(a, k) for k in baseline.Thresholds.model_fields})
     except ValidationError as e:
         raise UserError("bad threshold: " + record.problems(e)) from None
+    a.trainers = [t.strip() for t in a.trainers.split(",") if t.strip()]
+    unknown = [t for t in a.trainers if t not in TRAINERS]
+    if unknown or not a.trainers:
+        raise UserError(f"--trainers {','.join(a.trainers) or repr('')}: unknown job(s) "
+                        f"{', '.join(unknown) or '(none given)'}; use some of {','.join(TRAINERS)}")
+    a.trainers = [t for t in TRAINERS if t in a.trainers]  # the report's order, each once
     a.nodes = [n.strip() for n in a.nodes.split(",") if n.strip()] if a.nodes is not None else None
     if a.nodes is not None and not a.nodes:
         raise UserError("--nodes is empty: name one or more nodes of the cluster record, e.g. --nodes node-2")

@@ -14,7 +14,6 @@ import pytest
 from dlcluster import baseline, doctor, plots
 from dlcluster.smoke.lib import (
     REPO,
-    TRAINERS,
     Context,
     check_node_proxyjump,
     fail,
@@ -153,11 +152,12 @@ def quarantine(rec, found) -> list[str]:
 
 
 def test_trainers(ctx: Context, details: dict):
-    """The three jobs, one tiny epoch with one worker per node; each must succeed and leave an
-    ONNX model that a check job on the cluster loads, runs and checks against its manifest. As many
-    run at once as every worker node has CPUs (GPUs) for: one worker of each on every node."""
+    """The three jobs (--trainers: some of them), one tiny epoch with one worker per node; each
+    must succeed and leave an ONNX model that a check job on the cluster loads, runs and checks
+    against its manifest. As many run at once as every worker node has CPUs (GPUs) for: one
+    worker of each on every node."""
     ctx.need_workers()
-    results: dict[str, dict] = {job: {} for job in TRAINERS}  # the report's order, whatever ends first
+    results: dict[str, dict] = {job: {} for job in ctx.trainers}  # the report's order, whatever ends first
     at_once = ctx.trainers_at_once
     details.update({"jobs": results, "workers": ctx.workers, "left_out": ctx.left_out, "at_once": at_once})
     log(f"trainers: {at_once} at a time (one worker of each on every node)")
@@ -183,7 +183,7 @@ def test_trainers(ctx: Context, details: dict):
 
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         try:
-            for done in [pool.submit(train, job) for job in TRAINERS]:
+            for done in [pool.submit(train, job) for job in ctx.trainers]:
                 done.result()
         except BaseException:  # the step's hard stop, Ctrl-C: no trainer outlives it
             ctx.client.stop_all()

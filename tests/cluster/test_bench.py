@@ -1,7 +1,8 @@
 """make bench's code path at tiny size on the fixture cluster (found through its record): both
 launchers run, the ratios, the run history's cost, the JSON and the PNG come out; one run of
 TensorFlow's strategy comparison (ParameterServer, a worker slowed) with its table and plot (the
-comparison of all four runs is drawn in the unit tier from recorded results). The real figures are
+comparison of all four runs is drawn in the unit tier from recorded results, as FSDP2 against DDP
+is, whose memory claim the FSDP test measures). The real figures are
 in docs/benchmark.md."""
 
 import json
@@ -18,7 +19,7 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
     env.pop("DASHBOARD_PORT", None)  # the record says where the job API is
     cmd = [sys.executable, "-m", "dlcluster", "bench", "--jobs", "ddp_autoencoder", "--repeats", "1",
            "--epochs", "2", "--limit", "300", "--folder-scale", "300", "--strategy-epochs", "1",
-           "--lm-epochs", "1", "--lm-size", "tiny", "--lm-limit", "12000",
+           "--lm-epochs", "0",
            "--strategy-runs", "ps:slowed",
            "--tf-per-class", "16", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
@@ -60,12 +61,9 @@ def test_bench_runs_both_launchers_and_writes_its_report(cluster, tmp_path):
     assert held and float(held.group(1)) > 0, r["throttled"]
     assert compared["slowed_over_full"] == {}  # no full-speed run to compare with
     assert "| ParameterServer | 50% of the CPU |" in proc.stdout
-    # FSDP2 against DDP on the same model: a rank holds about half (2 workers), measured on each
-    sharded = report["sharding"]
-    assert [r["strategy"] for r in sharded["runs"]] == ["fsdp", "ddp"]
-    assert all(r["workers"] == 2 and r["held_mib_per_rank"] > 0 for r in sharded["runs"])
-    assert 0.4 < sharded["fsdp_over_ddp"]["held_mib_per_rank"] < 0.7, sharded
-    assert "| FSDP / DDP | " in proc.stdout
-    for png in ("bench.png", "strategies.png", "fsdp.png"):
+    # FSDP2 against DDP (--lm-epochs): their table and plot from recorded runs in the unit tier
+    # (test_bench_report.py), a rank's half of a replica measured in test_finetune_lm.py
+    assert report["sharding"] is None and not (tmp_path / "out" / "fsdp.png").exists()
+    for png in ("bench.png", "strategies.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert os.path.getsize(tmp_path / "out" / png) > 10_000

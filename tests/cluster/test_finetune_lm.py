@@ -1,5 +1,6 @@
 """The language-model job on Ray: FSDP2 across both nodes' workers, a worker killed mid-run, the
-run resumed from its sharded checkpoint, and what it publishes (ONNX, save_pretrained)."""
+run resumed from its sharded checkpoint, what it publishes (ONNX, save_pretrained), and what a
+rank held: about half of a replica."""
 
 import json
 
@@ -44,3 +45,10 @@ def test_fsdp_across_two_workers_resumes_from_its_sharded_checkpoint_after_a_kil
         want = tuned(input_ids=torch.from_numpy(ids)).logits.numpy()
     got = ort.InferenceSession(str(tmp_path / "model" / "model.onnx")).run(None, {"input_ids": ids})[0]
     assert np.abs(got - want).max() <= 1e-4
+    # what a rank held for training: about half of what a replica holds (DDP: every parameter, its
+    # gradient and AdamW's two moments, 16 bytes a float32 parameter), each rank measured; make
+    # bench compares the two runs side by side (docs/benchmark.md; its table and plot from recorded
+    # results in the unit tier)
+    replica_mib = sum(p.numel() for p in tuned.parameters()) * 16 / 2**20
+    held = m["metrics"]["held_mib_per_rank"]
+    assert 0.4 < held / replica_mib < 0.7, (held, replica_mib)

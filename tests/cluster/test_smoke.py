@@ -1,9 +1,9 @@
 """make smoke end to end on the 2-node fixture cluster: the cluster record `up` wrote, the nodes
 and all-reduce steps (the pytest suite ray/smoke_suite, run by dlcluster/smoke/run.py) through the job API,
 the JSON report, the printed lines, and a cluster record the cluster does not match. Its trainers
-step (the three jobs, one tiny epoch each, models verified on the cluster) is asserted in the
-emulated tier's smoke run, across 3 nodes; this tier's own job tests train the same jobs on this
-cluster."""
+step (the jobs, one tiny epoch each, models verified on the cluster) is asserted in the emulated
+tier's smoke run, across 3 nodes (horovod_mnist and tf_cnn; ddp_autoencoder there is the README
+run's); this tier's own job tests train the same jobs on this cluster."""
 
 import json
 import os

@@ -16,10 +16,11 @@ import pytest
 from conftest import (
     BIN,
     NODES,
+    PORT,
     REPO,
     run,
 )
-from helpers import TLS, published, submit
+from helpers import TLS
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -166,11 +167,26 @@ def unit_state(emulated, node: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
 
 
+SPREAD_PROBE = """
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+ray.init()
+group = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")
+ray.get(group.ready(), timeout=120)
+where = ray.remote(num_cpus=1)(lambda: ray.util.get_node_ip_address())
+ips = ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+               for i in range(2)])
+print("ran on:", " ".join(sorted(ips)))
+"""
+
+
 def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
     """node-2 told to run collectives over an interface it lacks (its Ray keeps running): make
     doctor QUARANTINE=1 names it and takes it out of Ray: the head drains it, it leaves Ray (idle),
-    its Ray is stopped and stays down (also when told to start); a job submitted then trains on
-    node-1 and node-3. Fixed, make unquarantine NODE=node-2 puts it back, and make doctor finds nothing."""
+    its Ray is stopped and stays down (also when told to start); a job submitted then runs its
+    work on node-1 and node-3. Fixed, make unquarantine NODE=node-2 puts it back, and make doctor
+    finds nothing."""
     fault = "s/^GLOO_SOCKET_IFNAME=.*/GLOO_SOCKET_IFNAME={}/"
     emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth9')}' /etc/dlcluster/ray.env").check_returncode()
     try:
@@ -192,9 +208,13 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
         assert state.get("ConditionResult") == "no" and state.get("ActiveState") == "inactive", state
         _, report, lines = doctor(emulated)
         assert lines[0].startswith("doctor: node-2: quarantined (make doctor at "), lines
-        name = f"quarantined-{int(time.time())}"
-        submit(emulated, "--name", name, "--limit", "200", "--image-size", "40x60", "--batch-size", "16")
-        assert sorted(published(emulated, name)["replica_hosts"]) == ["node-1", "node-3"]
+        # new work lands on the nodes left: a job whose two tasks must run on two nodes
+        # (STRICT_SPREAD) runs them on node-1 and node-3 (a training job there proves no more)
+        out = run([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}", "--",
+                   "python", "-c", SPREAD_PROBE], emulated.client_env(), timeout=300).stdout
+        print(out[-2000:])
+        assert f"ran on: {' '.join(sorted([NODES['node-1'], NODES['node-3']]))}" in out.splitlines() \
+            and "succeeded" in out, out[-3000:]
     finally:  # fixed and released also when the test failed: node-2 is not left out of Ray
         emulated.ssh("node-2", f"sudo sed -i '{fault.format('eth0')}' /etc/dlcluster/ray.env")
         proc = run([str(BIN / "python"), "-m", "dlcluster.doctor", "--unquarantine", "node-2"], emulated.env,

@@ -5,6 +5,7 @@ suite (a pass, a failure, a crash, a skip): its lines, report, summary, selectio
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -490,6 +491,18 @@ def test_the_trainers_run_together_as_far_as_the_smallest_node_holds_one_worker_
     assert not ctx.use_gpu and ctx.trainers_at_once == 2
     d["nodes"][0]["cpus"] = 0  # a head that takes no worker does not count
     assert ctx.trainers_at_once == 2
+    two = lib.Context(d, args("--trainers", "tf_cnn,horovod_mnist"), None)
+    assert two.trainers == ["horovod_mnist", "tf_cnn"] and two.trainers_at_once == 2  # one round
+    for n in d["nodes"]:
+        n["cpus"] = 8
+    assert ctx.trainers_at_once == 3 and two.trainers_at_once == 2
+
+
+def test_trainers_names_some_of_the_three_jobs_or_is_one_line():
+    assert args().trainers == list(lib.TRAINERS)
+    for bad, said in (("tf_cnn,resnet", "unknown job(s) resnet"), (",", "unknown job(s) (none given)")):
+        with pytest.raises(UserError, match=re.escape(said) + ".*use some of ddp_autoencoder,horovod_mnist"):
+            args("--trainers", bad)
 
 
 def test_clean_removes_a_smoke_runs_model_folder_and_run_folder(tmp_path):
