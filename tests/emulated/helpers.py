@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import (
@@ -221,3 +222,22 @@ def _jump_inventory(tmp_path: Path, settings: str, registry: bool = False) -> Pa
     return _inventory(tmp_path, "emulated", text)
 
 
+@contextmanager
+def held_job(emulated):
+    """A job that holds the cluster (it sleeps: what is proved is that running jobs are waited
+    for, not training), stopped at the end."""
+    ray, job_id = [str(BIN / "ray"), "job"], f"held-{time.time_ns()}"
+    run([*ray, "submit", "--no-wait", "--submission-id", job_id, "--", "sleep", "600"],
+        emulated.client_env(), timeout=120, check=True)
+    deadline = time.time() + 120
+    while job_status(emulated, job_id) != "RUNNING":
+        assert time.time() < deadline, f"the sleeping job is {job_status(emulated, job_id)} after 120 s"
+        time.sleep(1)
+    try:
+        yield job_id
+    finally:
+        run([*ray, "stop", job_id], emulated.client_env(), timeout=120)
+        deadline = time.time() + 120
+        while job_status(emulated, job_id) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+            assert time.time() < deadline, f"{job_id} is {job_status(emulated, job_id)} after ray job stop"
+            time.sleep(1)

@@ -328,6 +328,16 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
                                     timeout=10) as answer:
             body = answer.read().decode()
         assert answer.status == 200 and (readme_run.name in body if "runs/get" in url else "<html" in body)
+    # make runs reads it through the tunnel as an operator does: the run's row, then its epochs
+    make = ["make", "-s", "--no-print-directory", "runs"]
+    env = {**emulated.env, "MAKEFLAGS": ""}
+    listing = run(make, env, timeout=300, check=True).stdout.splitlines()
+    row = next(line.split() for line in listing if line.split()[:1] == [readme_run.name])
+    assert row[1:4] == ["ddp_autoencoder", manifest["git_commit"][:12], str(epochs)], row
+    assert row[-2:] == [manifest["model_sha256"][:12], "finished"], row
+    per_epoch = run([*make, f"RUN={readme_run.name}"], env, timeout=300, check=True).stdout.splitlines()
+    table = per_epoch[per_epoch.index(next(x for x in per_epoch if x.split()[:1] == ["epoch"])):]
+    assert [line.split()[0] for line in table[1:]] == [str(e) for e in range(1, epochs + 1)], per_epoch
     # its artifacts are on the head's disk, where its server keeps them
     found = emulated.ssh("node-1", "sudo", "find", "/var/lib/dlc-mlflow-artifacts", "-name", "model.onnx"
                          ).stdout.split()

@@ -15,7 +15,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from helpers import (
     TLS,
     _inventory,
     _jump_inventory,
+    held_job,
     job_status,
     operator,
     ray_pids,
@@ -45,27 +45,6 @@ from helpers import (
 from trainkit import record
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-@contextmanager
-def held_job(emulated):
-    """A job that holds the cluster (it sleeps: what is proved is that running jobs are waited
-    for, not training), stopped at the end."""
-    ray, job_id = [str(BIN / "ray"), "job"], f"held-{time.time_ns()}"
-    run([*ray, "submit", "--no-wait", "--submission-id", job_id, "--", "sleep", "600"],
-        emulated.client_env(), timeout=120, check=True)
-    deadline = time.time() + 120
-    while job_status(emulated, job_id) != "RUNNING":
-        assert time.time() < deadline, f"the sleeping job is {job_status(emulated, job_id)} after 120 s"
-        time.sleep(1)
-    try:
-        yield job_id
-    finally:
-        run([*ray, "stop", job_id], emulated.client_env(), timeout=120)
-        deadline = time.time() + 120
-        while job_status(emulated, job_id) not in ("STOPPED", "FAILED", "SUCCEEDED"):
-            assert time.time() < deadline, f"{job_id} is {job_status(emulated, job_id)} after ray job stop"
-            time.sleep(1)
 
 
 def close_tunnel(env: dict) -> None:

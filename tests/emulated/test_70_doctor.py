@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     BIN,
+    INVENTORY,
     NODES,
     PORT,
     REPO,
@@ -208,6 +209,14 @@ def test_a_quarantined_node_gets_no_new_job_until_released(emulated):
         assert state.get("ConditionResult") == "no" and state.get("ActiveState") == "inactive", state
         _, report, lines = doctor(emulated)
         assert lines[0].startswith("doctor: node-2: quarantined (make doctor at "), lines
+        # make cluster-status asks each node's systemd and the head's Ray: node-2's down, two nodes
+        status = run(["make", "-s", "--no-print-directory", "cluster-status"],
+                     {**emulated.env, "INVENTORY": str(INVENTORY), "MAKEFLAGS": ""}, timeout=300)
+        said = " ".join(status.stdout.split())
+        assert status.returncode == 0, status.stdout[-3000:] + status.stderr[-2000:]
+        assert all(f"msg: {n}: dlc-ray {state} since " in said for n, state in (
+            ("node-1", "active"), ("node-2", "inactive"), ("node-3", "active"))), said[-3000:]
+        assert len(re.findall(r"\b1 node_\w+", said)) == 2, said[-3000:]  # the head's ray status
         # new work lands on the nodes left: a job whose two tasks must run on two nodes
         # (STRICT_SPREAD) runs them on node-1 and node-3 (a training job there proves no more)
         out = run([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}", "--",

@@ -23,6 +23,8 @@ from helpers import (
     _inventory,
     ask_ray,
     elastic_run,
+    held_job,
+    job_status,
     member_certs,
     published,
     ray_pids,
@@ -40,16 +42,17 @@ NODE4 = "172.31.251.14"
 
 
 def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_it_out(emulated, tmp_path):
-    """A fourth server (a container like the others) added to the inventory: cluster-up provisions
-    it and it joins; Ray on the three others is not restarted. make remove-node NODE=node-4 drains
-    it, stops and disables its Ray, removes the cluster's secrets from it (token, TLS key, run-history
-    credentials), and leaves it out of every node's /etc/hosts, the bastion's client list and the
-    cluster record; it re-keys the cluster (dlc_remove_node_rekey): a new token and CA, Ray restarted
-    on the three, so node-4's token and its certificate and key from before (a copy an intruder may
-    have taken) are refused by the GCS. Bad NODE values are one line each before anything changes.
-    The same cluster-up forgets node-3's rollback record that names an image the node no longer has
-    (left by a ship that failed after its prune), so a failed upgrade finds nothing to go back to.
-    (A re-key refused under a running job: test_40's changed-setting test.)"""
+    """A fourth server (a container like the others) added to the inventory: cluster-up provisions it
+    and it joins while a job runs; Ray on the three others is not restarted. make remove-node
+    NODE=node-4 drains it, stops and disables its Ray, removes the cluster's secrets from it (token,
+    TLS key, run-history credentials), and leaves it out of every node's /etc/hosts, the bastion's
+    client list and the cluster record; it re-keys the cluster (dlc_remove_node_rekey): a new token
+    and CA, Ray restarted on the three, so node-4's token and its certificate and key from before (a
+    copy an intruder may have taken) are refused by the GCS. Bad NODE values are one line each
+    before anything changes. The same cluster-up forgets node-3's rollback record that names an
+    image the node no longer has (left by a ship that failed after its prune), so a failed upgrade
+    finds nothing to go back to. (A re-key refused under a running job: test_40's changed-setting
+    test.)"""
     make = ["make", "--no-print-directory", "remove-node"]
     for node, says in (("node-1", "NODE=node-1: the head runs Ray's GCS and every job's driver, it "
                                   "cannot be removed"),
@@ -75,8 +78,10 @@ def test_a_node_added_joins_without_restarting_the_others_and_remove_node_takes_
         planted = emulated.ssh("node-3", f"echo {gone_image} | sudo tee /etc/dlcluster/image.previous")
         assert planted.returncode == 0, planted.stderr
         listed = True  # from here node-4 may be in the nodes' /etc/hosts, the bastion's list, the record
-        up = emulated.cluster("up", inventory, timeout=1200)
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-2000:]
+        with held_job(emulated) as job:  # a node is added while jobs run: nothing restarts under them
+            up = emulated.cluster("up", inventory, timeout=1200)
+            assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-2000:]
+            assert job_status(emulated, job) == "RUNNING"
         assert emulated.ssh("node-3", "sudo test -e /etc/dlcluster/image.previous").returncode != 0
         assert ray_pids(emulated) == pids  # the three went on as they were
         assert sorted(emulated.wait_for_nodes(4)) == sorted([*NODES.values(), NODE4])
