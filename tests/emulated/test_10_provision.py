@@ -31,7 +31,8 @@ from helpers import PROBE, operator, untouched
 from dlcluster import baseline
 from trainkit import record
 
-pytestmark = pytest.mark.timeout(1800)
+# the first test also carries the tier's machines and cluster-up (the fixture: up to 600 + 2400 s)
+pytestmark = pytest.mark.timeout(3600)
 
 
 def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
