@@ -65,7 +65,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test check test-unit \
+.PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test leftovers check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor unquarantine emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -119,8 +119,11 @@ resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
-test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports $(TEST_LANES)
+test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), what they left behind, a table, then `N passed, N failed, N skipped`
+	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports --state $(DLC_CACHE)/test-state $(TEST_LANES)
+
+leftovers: setup ## what the test tiers left on this machine (ports, state files, the emulated containers and rules, files in the checkout); exit 1 if anything
+	@$(PY) scripts/leftovers.py --state $(DLC_CACHE)/test-state
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)
 	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports lint,unit

@@ -46,6 +46,7 @@ TIERS = {
     "gpu": ("test-gpu", "tests/gpu: CUDA, NCCL (skipped with its reason without a GPU)"),
 }
 PRINT = threading.Lock()
+LINGER_S = 75  # ansible.cfg's ControlPersist (60 s), and some: looked at again after it
 
 
 def budgets() -> dict[str, int]:
@@ -69,6 +70,7 @@ class Result:
     seconds: float = 0.0
     rc: int = 0
     status: str = ""
+    found: tuple[str, ...] = ()  # what a check that is not a pytest tier found (leftovers)
 
 
 def counts(report: Path) -> tuple[int, int, int] | None:
@@ -186,6 +188,25 @@ def lane_problem(order: list[str]) -> str | None:
     return None
 
 
+def left_behind(state: Path, tiers: list[str], before: set[str]) -> Result:
+    """scripts/leftovers.py after every lane ended: what the tiers that ran left (their ports, state
+    files, the emulated tier's containers and rules, files in the checkout), as a row of the table:
+    one check, passed when nothing is left."""
+    import leftovers  # scripts/, beside this file (psutil: only where the check runs)
+
+    t0 = time.monotonic()
+    say("==== leftovers: what the tiers left behind (make leftovers)")
+    found = leftovers.find(state, tiers, before)
+    if found:  # an ssh connection Ansible keeps open (ControlPersist) ends a minute after its last use
+        time.sleep(LINGER_S)
+        found = leftovers.find(state, tiers, before)
+    found = [f"left behind: {line}" for line in found]
+    for line in found or ["left behind: nothing"]:
+        say(line)
+    return Result("leftovers", int(not found), int(bool(found)), 0, seconds=time.monotonic() - t0,
+                  status="failed" if found else "ok", found=tuple(found))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lanes", nargs="*", metavar="TIER[,TIER...]",
@@ -193,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"before it. Tiers: {', '.join(TIERS)}")
     ap.add_argument("--reports", type=Path, required=True,
                     help="folder for each tier's JUnit XML report (make: $DLC_CACHE/test-reports)")
+    ap.add_argument("--state", type=Path,
+                    help="the tiers' state folder (make: $DLC_CACHE/test-state): when given, what the "
+                         "tiers left behind is looked for after the lanes, a row of the table "
+                         "(scripts/leftovers.py)")
     a = ap.parse_args(argv)
     stages: list[list[list[str]]] = [[]]  # `then` starts the next stage
     for arg in a.lanes:
@@ -221,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             results[tier] = run_tier(tier, a.reports, pytest_args, prefix)
 
     started = time.monotonic()
+    # what git shows in the checkout now: at the end, anything more is a test's (scripts/leftovers.py)
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                            capture_output=True, text=True)
+    before = set(status.stdout.splitlines())
     disk = DiskWatch(a.reports)
     disk.start()
     for stage in stages:
@@ -232,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.join()
     ordered = [results[t] for t in order]
+    if a.state:
+        ordered.append(left_behind(a.state, [t for t in order if t in ("cluster", "emulated")], before))
     budget = budgets()
     for r in ordered:
         if slow := slowest(a.reports / f"{r.tier}.xml"):
@@ -241,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in ordered:
         if r.failed:
             print(f"\nfailed in {r.tier}:")
-            for line in failures(a.reports / f"{r.tier}.xml"):
+            for line in failures(a.reports / f"{r.tier}.xml") or r.found[:8]:
                 print(f"  {line}")
     print(f"\n{disk.stop()}\n")
     print(f"{'tier':<10} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8} {'budget':>7}  status")

@@ -1,9 +1,12 @@
 """scripts/test_suite.py (make test, make check): counts from real pytest JUnit reports, lanes side
 by side with every line named by its tier, the table, and the closing line."""
 
+import os
 import re
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,91 @@ def test_bad_lanes_are_one_line_before_any_tier_runs(tiers, capsys, lanes, probl
     assert out == "" and not (tiers / "reports").exists()  # nothing ran, nothing written
     (line,) = err.strip().splitlines()
     assert line.startswith("test: error: lanes ") and problem in line and "TEST_LANES" in line, line
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A git checkout of its own for scripts/leftovers.py (the real one is never written to): a
+    tracked file, and the upload test's names ignored as the project's .gitignore ignores them."""
+    import leftovers
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / ".gitignore").write_text(".env\nid_ed25519\n")
+    (repo / "tracked.py").write_text("x = 1\n")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(leftovers, "REPO", repo)
+    # a test's processes known by a folder of this test's own (another tier's, running beside this
+    # one in make test's lanes, are not this test's to find)
+    monkeypatch.setattr(leftovers, "TEST_TMP", f"/leftover-{uuid.uuid4().hex}/")
+    monkeypatch.setattr(test_suite, "LINGER_S", 0)
+    return repo
+
+
+def test_leftovers_names_a_tiers_port_state_file_and_what_a_test_wrote_into_the_checkout(checkout, tmp_path,
+                                                                                          monkeypatch):
+    import socket
+
+    import leftovers
+
+    state = tmp_path / "state"
+    (checkout / "mine.txt").write_text("a user's own file, there before the run\n")
+    before = set(subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=checkout,
+                                capture_output=True, text=True).stdout.splitlines())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        monkeypatch.setattr(leftovers, "CLUSTER_PORTS", [port + 1])
+        assert leftovers.find(state, ["cluster"], before) == []  # a listener on a port not the tier's
+        monkeypatch.setattr(leftovers, "CLUSTER_PORTS", [port + 1, port])
+        (state / "cluster-tier").mkdir(parents=True)
+        (state / "cluster-tier" / "6390-8290").write_text("/tmp/dlc-config\n")
+        (checkout / "tracked.py").write_text("x = 2\n")
+        (checkout / "jobs").mkdir()
+        marker = "# a secret that must not leave this machine\n"  # the upload test's SECRET
+        (checkout / "jobs" / "untracked_script.py").write_text(marker)
+        (checkout / ".env").write_text(marker)
+        (checkout / "id_ed25519").write_text("a key of the user's own, ignored by git\n")
+        found = leftovers.find(state, ["cluster"], before)
+    assert found[0].startswith(f"port {port} listening (pid {os.getpid()} ") and found[0].endswith(
+        "): the cluster tier's"), found
+    assert found[1] == (f"{state}/cluster-tier/6390-8290: the cluster tier's state file (a killed run's; "
+                        "the tier's next run removes what it names)")
+    assert found[2:] == [
+        "in the checkout: .env (the upload test's planted file; it removes it when it runs again)",
+        "in the checkout: M tracked.py (written during the run; git status)",
+        "in the checkout: ?? jobs/untracked_script.py (written during the run; git status)"], found
+    assert leftovers.find(state, [], None) == [found[2]]  # without the status before: the planted file only
+    # a process a test started that outlived it (no pytest above it: here, its parent sh exited)
+    argv = f"{sys.executable} -c 'import time; time.sleep(60)' {leftovers.TEST_TMP}dlc-config"
+    subprocess.run(["sh", "-c", f"{argv} >/dev/null 2>&1 &"], check=True)
+    deadline = time.time() + 10
+    while not (left := [ln for ln in leftovers.find(state, ["cluster"], before)
+                        if ln.startswith("process ")]):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    (line,) = left
+    pid = int(line.split()[1])
+    os.kill(pid, 9)
+    assert re.fullmatch(rf"process {pid} \({re.escape(sys.executable)} -c import time; time\.sleep\(60\) "
+                        r"/leftover-\w+\): a test's, still running", line), line
+
+
+def test_make_test_ends_with_a_row_for_what_the_tiers_left_behind(tiers, checkout, capsys):
+    state = tiers / "state"
+    assert test_suite.main(["green", "--reports", str(tiers / "reports"), "--state", str(state)]) == 0
+    out = capsys.readouterr().out
+    assert "left behind: nothing" in out and out.strip().splitlines()[-1] == "3 passed, 0 failed, 0 skipped"
+    assert next(ln for ln in out.splitlines() if ln.startswith("leftovers ")).split()[1:4] == ["1", "0", "0"]
+    (checkout / "written_by_a_test.txt").write_text("x\n")  # (green's test writes nothing: as if it did)
+    after = test_suite.left_behind(state, [], set())
+    assert after.failed == 1 and after.status == "failed"
+    assert after.found == ("left behind: in the checkout: ?? written_by_a_test.txt (written during "
+                                   "the run; git status)",)
