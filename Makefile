@@ -122,7 +122,7 @@ demo: cluster-up ## setup, cluster-up, then train the autoencoder and print wher
 test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), what they left behind, a table, then `N passed, N failed, N skipped`
 	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports --state $(DLC_CACHE)/test-state $(TEST_LANES)
 
-leftovers: setup ## what the test tiers left on this machine (ports, state files, the emulated containers and rules, files in the checkout); exit 1 if anything
+leftovers: setup ## what the test tiers left on this machine (ports, state files, processes, the image and emulated tiers' containers and rules, files in the checkout); exit 1 if anything
 	@$(PY) scripts/leftovers.py --state $(DLC_CACHE)/test-state
 
 check: setup ## lint and the unit tier, with the same table and closing line (minutes; no root, no images)

@@ -10,6 +10,7 @@ killed"). This names what is there now, by what the tiers make:
   state file says the tier started it;
 - the tiers' state files (--state, $DLC_CACHE/test-state: a cluster a killed cluster tier left, a run-history
   server a test started alone, the emulated tier's demo stand-in);
+- the image tier's containers and network (`dlcluster-test`, which all its containers run on);
 - the emulated tier's containers, networks and shared volume (`dlc-emu-*`; not its `dlc-emu-disk-*`
   data disks, kept on purpose) and its iptables rules;
 - in the checkout: the upload test's planted files (keys and credentials by their usual names,
@@ -40,6 +41,7 @@ CLUSTER_PORTS = [p for gcs, dash in ((6390, 8290), (6395, 8295))
 EMULATED_PORTS = [base + k for base in range(8275, 8281) for k in (0, 1000, 2000, 3000)] + [35000]
 DEMO_PORTS = [6379, 8265]
 DOCKER = "/usr/bin/docker"
+IMAGE_NETWORK = "dlcluster-test"  # tests/container/test_image.py's NETWORK
 TEST_TMP = "/pytest-of-"  # in the path of every temporary folder pytest makes (tmp_path, tmp_path_factory)
 MARKER = b"# a secret that must not leave this machine\n"  # tests/cluster/test_upload.py's SECRET
 
@@ -96,6 +98,17 @@ def docker_lines(*args: str) -> list[str]:
         return []
     proc = subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=60)
     return proc.stdout.split() if proc.returncode == 0 else []
+
+
+def image() -> list[str]:
+    """The image tier's: its containers all run on its own network (tests/container/test_image.py)."""
+    found = [f"container {n}: the image tier's, on its network {IMAGE_NETWORK} (docker rm -f {n})"
+             for n in docker_lines("ps", "-a", "--filter", f"network={IMAGE_NETWORK}", "--format",
+                                   "{{.Names}}")]
+    found += [f"docker network {n}: the image tier's (docker network rm {n}; its next run removes it too)"
+              for n in docker_lines("network", "ls", "--filter", f"name=^{IMAGE_NETWORK}$", "--format",
+                                    "{{.Name}}")]
+    return found
 
 
 def emulated() -> list[str]:
@@ -156,6 +169,8 @@ def find(state: Path, tiers: list[str], before: set[str] | None) -> list[str]:
         found += [f"port {port} listening ({who}): the emulated tier's"
                   for port, who in sorted(listening(ports).items())]
         found += state_files(state, "emulated") + emulated()
+    if "image" in tiers:
+        found += image()
     if tiers:
         found += processes()
     return found + checkout(before)
@@ -166,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--state", type=Path, required=True,
                     help="the tiers' state folder ($DLC_CACHE/test-state)")
-    ap.add_argument("--tiers", default="cluster,emulated",
-                    help="whose ports, state files, containers and rules to look for (default: both; the "
-                         "checkout is looked at always)")
+    ap.add_argument("--tiers", default="cluster,image,emulated",
+                    help="whose ports, state files, containers and rules to look for (default: the three; "
+                         "the checkout is looked at always)")
     ap.add_argument("--checkout-before", type=Path,
                     help="git status --porcelain as the run found it: lines in it are not leftovers "
                          "(without it, only the upload test's planted files are looked for there)")
@@ -177,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.checkout_before:
         before = set(a.checkout_before.read_text().splitlines()) if a.checkout_before.is_file() else set()
     tiers = [t for t in a.tiers.split(",") if t]
-    if unknown := set(tiers) - {"cluster", "emulated"}:
+    if unknown := set(tiers) - {"cluster", "image", "emulated"}:
         print(f"leftovers: error: --tiers {a.tiers}: no leftovers are known for "
-              f"{', '.join(sorted(unknown))}; name cluster and/or emulated (the other tiers leave "
+              f"{', '.join(sorted(unknown))}; name cluster, image and/or emulated (the other tiers leave "
               "nothing but files in the checkout)",
               file=sys.stderr)
         return 2
@@ -187,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in found:
         print(f"left behind: {line}")
     if not found:
-        looked = {"cluster": "the cluster tier's ports and state", "emulated": "the emulated tier's ports, "
-                  "state, containers, networks and rules"}
+        looked = {"cluster": "the cluster tier's ports and state", "image": "the image tier's containers",
+                  "emulated": "the emulated tier's ports, state, containers, networks and rules"}
         print(f"left behind: nothing ({'; '.join([*(looked[t] for t in tiers), 'the checkout'])})")
     return 1 if found else 0
 

@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
     ordered = [results[t] for t in order]
     if a.state:
-        ordered.append(left_behind(a.state, [t for t in order if t in ("cluster", "emulated")], before))
+        kept = [t for t in order if t in ("cluster", "image", "emulated")]  # tiers that leave things
+        ordered.append(left_behind(a.state, kept, before))
     budget = budgets()
     for r in ordered:
         if slow := slowest(a.reports / f"{r.tier}.xml"):
