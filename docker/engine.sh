@@ -15,12 +15,16 @@ die() { echo "engine: error: $*" >&2; exit 1; }
 
 if [ -x "$DOCKER" ] && "$DOCKER" info >/dev/null 2>&1; then exit 0; fi
 
+# one apt-get at a time: make test's lanes install what they lack side by side (on a fresh machine
+# lint's install of its shell linter lost dpkg's lock to the emulated lane's docker.io and that
+# linter was skipped, 2026-12-02); tests/browser.py takes the same lock for Chromium
+apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 if [ ! -x "$DOCKER" ]; then
   [ "$(id -u)" = 0 ] || die "no $DOCKER and not root: install Debian's docker.io (apt-get install docker.io) or set DOCKER=/path/to/docker"
   command -v apt-get >/dev/null || die "no $DOCKER and no apt-get: install a Docker engine (20.10 or newer) and set DOCKER=/path/to/docker"
   echo "engine: installing Debian's docker.io (apt-get)"
   log=/var/log/dlcluster-apt-docker.log
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io; } >"$log" 2>&1 \
+  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq docker.io; } >"$log" 2>&1 \
     || die "apt-get install docker.io failed; log: $log"
   [ -x "$DOCKER" ] || die "docker.io is installed but there is no $DOCKER: set DOCKER=/usr/bin/docker"
 fi

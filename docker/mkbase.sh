@@ -34,9 +34,13 @@ if [ "$force" = 0 ] && "$DOCKER" image inspect "$name" >/dev/null 2>&1; then
   exit 0
 fi
 [ "$(id -u)" = 0 ] || die "debootstrap needs root"
+# one apt-get at a time: make test's lanes install what they lack side by side (on a fresh machine
+# lint's install of its shell linter lost dpkg's lock to the emulated lane's docker.io and that
+# linter was skipped, 2026-12-02); tests/browser.py takes the same lock for Chromium
+apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 if ! command -v debootstrap >/dev/null; then
   echo "mkbase: installing debootstrap (apt-get)"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } \
+  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq debootstrap; } \
     >/dev/null 2>&1 || die "apt-get install debootstrap failed; install it and run again"
 fi
 
@@ -45,7 +49,7 @@ fi
 KEYRING=${KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 if [ ! -s "$KEYRING" ]; then
   echo "mkbase: installing Debian's archive keyring (apt-get)"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debian-archive-keyring; } \
+  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq debian-archive-keyring; } \
     >/dev/null 2>&1 || true
   [ -s "$KEYRING" ] || die "no keyring $KEYRING to check the packages' signatures: install debian-archive-keyring, or set KEYRING= to the keyring your mirror signs with"
 fi

@@ -28,9 +28,13 @@ step ruff .venv/bin/ruff check .
 # files travel with every job)
 step mypy .venv-ansible/bin/mypy --python-executable .venv/bin/python \
   --cache-dir "${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}/mypy"
+# one apt-get at a time: make test's lanes install what they lack side by side (on a fresh machine
+# lint's install of its shell linter lost dpkg's lock to the emulated lane's docker.io and that
+# linter was skipped, 2026-12-02); tests/browser.py takes the same lock for Chromium
+apt=(flock -w 900 /var/lock/dlcluster-apt.lock apt-get)
 if ! command -v shellcheck >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "lint: installing Debian's shellcheck"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; } >/dev/null 2>&1 || true
+  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq shellcheck; } >/dev/null 2>&1 || true
 fi
 if command -v shellcheck >/dev/null; then
   step shellcheck shellcheck scripts/*.sh docker/*.sh ray/*.sh tests/emulated/*.sh .ci/run
