@@ -125,3 +125,30 @@ def test_every_test_the_security_page_names_exists():
     assert named and named <= defined, sorted(named - defined)
     rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
     assert all(re.search(r"`test_\w+", row) for row in rows), [r[:80] for r in rows if "`test_" not in r]
+
+
+APT_LOCK = "/var/lock/dlcluster-apt.lock"
+
+
+def test_every_apt_get_on_this_machine_waits_for_the_one_lock():
+    """make test's lanes install what they lack side by side, and two apt-gets at once fail on dpkg's
+    lock (on a fresh machine lint's shellcheck install lost it to the emulated lane's docker.io and
+    lint skipped shellcheck, 2026-12-02): every apt-get that installs on this machine goes through
+    one flock. (tests/emulated's run on the nodes, through ssh.)"""
+    files = subprocess.run(["git", "ls-files", "*.sh", "*.py", ".ci/run"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    direct, unlocked = [], []
+    for name in files:
+        if name.startswith(("tests/unit/", "tests/emulated/")):
+            continue
+        text = (REPO / name).read_text()
+        for n, line in enumerate(text.splitlines(), 1):
+            code = line.split("#", 1)[0] if name.endswith((".sh", "run")) else line
+            if re.search(r"(^|[;{&|]\s*|=\S+\s+)apt-get\s+(update|install)\b", code.strip()):
+                direct.append(f"{name}:{n}: {line.strip()}")
+        if re.search(r"\"\$\{apt\[@\]\}\" install|\[\"apt-get\", \"install\"", text) and APT_LOCK not in text:
+            unlocked.append(name)
+    assert direct == [], f"apt-get called without the lock ({APT_LOCK}): {direct}"
+    assert unlocked == [], unlocked
+    installers = [name for name in files if APT_LOCK in (REPO / name).read_text()]
+    assert {"scripts/lint.sh", "docker/engine.sh", "docker/mkbase.sh", "tests/browser.py"} <= set(installers)
