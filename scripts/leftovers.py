@@ -14,8 +14,8 @@ killed"). This names what is there now, by what the tiers make:
 - the emulated tier's containers, networks and shared volume (`dlc-emu-*`; not its `dlc-emu-disk-*`
   data disks, kept on purpose) and its iptables rules;
 - in the checkout: the upload test's planted files (keys and credentials by their usual names,
-  known by their one line), and with --checkout-before (git status as make test found it when it
-  started: a user's own edits are not leftovers) every file git shows new or changed since.
+  known by their one line), and, for make test, every file git shows new or changed since the run
+  started (its git status then: a user's own edits are not leftovers).
 
     python scripts/leftovers.py --state $DLC_CACHE/test-state     # make leftovers
     (scripts/test_suite.py --state ... runs it after its lanes: make test)
@@ -43,6 +43,7 @@ DEMO_PORTS = [6379, 8265]
 DOCKER = "/usr/bin/docker"
 IMAGE_NETWORK = "dlcluster-test"  # tests/container/test_image.py's NETWORK
 TEST_TMP = "/pytest-of-"  # in the path of every temporary folder pytest makes (tmp_path, tmp_path_factory)
+TIERS = ("cluster", "image", "emulated")  # the tiers that leave things behind when killed
 MARKER = b"# a secret that must not leave this machine\n"  # tests/cluster/test_upload.py's SECRET
 
 
@@ -156,8 +157,8 @@ def checkout(before: set[str] | None) -> list[str]:
 
 
 def find(state: Path, tiers: list[str], before: set[str] | None) -> list[str]:
-    """A line for each thing left behind: by the tiers in `tiers` (cluster, emulated; their state
-    files under `state`), and in the checkout (beyond `before`, git status as a run found it)."""
+    """A line for each thing left behind: by the tiers in `tiers` (of TIERS; their state files under
+    `state`), and in the checkout (beyond `before`, git status as a run found it, when given)."""
     found = []
     if "cluster" in tiers:
         found += [f"port {port} listening ({who}): the cluster tier's"
@@ -181,24 +182,18 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--state", type=Path, required=True,
                     help="the tiers' state folder ($DLC_CACHE/test-state)")
-    ap.add_argument("--tiers", default="cluster,image,emulated",
+    ap.add_argument("--tiers", default=",".join(TIERS),
                     help="whose ports, state files, containers and rules to look for (default: the three; "
                          "the checkout is looked at always)")
-    ap.add_argument("--checkout-before", type=Path,
-                    help="git status --porcelain as the run found it: lines in it are not leftovers "
-                         "(without it, only the upload test's planted files are looked for there)")
     a = ap.parse_args(argv)
-    before = None
-    if a.checkout_before:
-        before = set(a.checkout_before.read_text().splitlines()) if a.checkout_before.is_file() else set()
     tiers = [t for t in a.tiers.split(",") if t]
-    if unknown := set(tiers) - {"cluster", "image", "emulated"}:
+    if unknown := set(tiers) - set(TIERS):
         print(f"leftovers: error: --tiers {a.tiers}: no leftovers are known for "
               f"{', '.join(sorted(unknown))}; name cluster, image and/or emulated (the other tiers leave "
               "nothing but files in the checkout)",
               file=sys.stderr)
         return 2
-    found = find(a.state, tiers, before)
+    found = find(a.state, tiers, None)  # the checkout: the planted files (no status from before)
     for line in found:
         print(f"left behind: {line}")
     if not found:

@@ -34,6 +34,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+import leftovers  # scripts/, beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 
 # tier -> (make target, what it is)
@@ -192,8 +194,6 @@ def left_behind(state: Path, tiers: list[str], before: set[str]) -> Result:
     """scripts/leftovers.py after every lane ended: what the tiers that ran left (their ports, state
     files, the emulated tier's containers and rules, files in the checkout), as a row of the table:
     one check, passed when nothing is left."""
-    import leftovers  # scripts/, beside this file (psutil: only where the check runs)
-
     t0 = time.monotonic()
     say("==== leftovers: what the tiers left behind (make leftovers)")
     found = leftovers.find(state, tiers, before)
@@ -247,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     # what git shows in the checkout now: at the end, anything more is a test's (scripts/leftovers.py)
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
-                            capture_output=True, text=True)
-    before = set(status.stdout.splitlines())
+    before = leftovers.git_status() if a.state else set()
     disk = DiskWatch(a.reports)
     disk.start()
     for stage in stages:
@@ -262,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
     ordered = [results[t] for t in order]
     if a.state:
-        kept = [t for t in order if t in ("cluster", "image", "emulated")]  # tiers that leave things
-        ordered.append(left_behind(a.state, kept, before))
+        ordered.append(left_behind(a.state, [t for t in order if t in leftovers.TIERS], before))
     budget = budgets()
     for r in ordered:
         if slow := slowest(a.reports / f"{r.tier}.xml"):
