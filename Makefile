@@ -119,8 +119,8 @@ resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
 	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
 
-test: setup ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), what they left behind, a table, then `N passed, N failed, N skipped`
-	@$(PY) scripts/test_suite.py --reports $(DLC_CACHE)/test-reports --state $(DLC_CACHE)/test-state $(TEST_LANES)
+test: ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), what they left behind, a table, then `N passed, N failed, N skipped`
+	@scripts/test.sh --reports $(DLC_CACHE)/test-reports --state $(DLC_CACHE)/test-state $(TEST_LANES)
 
 leftovers: setup ## what the test tiers left on this machine (ports, state files, processes, the image and emulated tiers' containers and rules, files in the checkout); exit 1 if anything
 	@$(PY) scripts/leftovers.py --state $(DLC_CACHE)/test-state

@@ -69,7 +69,7 @@ def _names(tasks) -> set[str]:
 def test_every_variable_a_role_defines_starts_with_its_prefix(role):
     folder = ANSIBLE / "roles" / role
     names: set[str] = set()
-    excused = set()  # a name whose line says why it keeps another's (# noqa: var-naming[no-role-prefix])
+    excused = set()  # a name whose line says why it keeps another's (a noqa for var-naming[no-role-prefix])
     for path in folder.rglob("*.yml"):
         excused |= set(re.findall(r"^\s*(?:register:\s*)?(\w+):?.*# noqa: var-naming\[no-role-prefix\]",
                                   path.read_text(), re.M))
