@@ -12,8 +12,11 @@
 # again and fails with its own line. Its output: $DLC_CACHE/test-prepare.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. ./versions.env  # DEFAULT_CACHE_IN_HOME
+. ./versions.env  # DEFAULT_CACHE_IN_HOME, DEFAULT_PYTHON
 CACHE=${DLC_CACHE:-$HOME/$DEFAULT_CACHE_IN_HOME}
+
+# bad lanes (TEST_LANES) are one line before anything is installed or built
+"${PYTHON:-$DEFAULT_PYTHON}" scripts/test_suite.py --check-lanes "$@" || exit
 
 prepare=0
 for arg in "$@"; do  # a lane is TIER[,TIER...]; only root installs and runs an engine

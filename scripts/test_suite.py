@@ -34,8 +34,6 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-import leftovers  # scripts/, beside this file
-
 REPO = Path(__file__).resolve().parents[1]
 
 # tier -> (make target, what it is)
@@ -194,6 +192,8 @@ def left_behind(state: Path, tiers: list[str], before: set[str]) -> Result:
     """scripts/leftovers.py after every lane ended: what the tiers that ran left (their ports, state
     files, the emulated tier's containers and rules, files in the checkout), as a row of the table:
     one check, passed when nothing is left."""
+    import leftovers  # scripts/, beside this file (its psutil: the project's environment)
+
     t0 = time.monotonic()
     say("==== leftovers: what the tiers left behind (make leftovers)")
     found = leftovers.find(state, tiers, before)
@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tiers' state folder (make: $DLC_CACHE/test-state): when given, what the "
                          "tiers left behind is looked for after the lanes, a row of the table "
                          "(scripts/leftovers.py)")
+    ap.add_argument("--check-lanes", action="store_true",
+                    help="only check the lanes and exit (scripts/test.sh, before setup: the standard "
+                         "library alone)")
     a = ap.parse_args(argv)
     stages: list[list[list[str]]] = [[]]  # `then` starts the next stage
     for arg in a.lanes:
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
               "(make test: TEST_LANES)",
               file=sys.stderr)
         return 2
+    if a.check_lanes:
+        return 0
     a.reports.mkdir(parents=True, exist_ok=True)
     pytest_args = os.environ.get("PYTEST_ARGS", "")
     width = max(map(len, order))
@@ -247,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     # what git shows in the checkout now: at the end, anything more is a test's (scripts/leftovers.py)
+    import leftovers
+
     before = leftovers.git_status() if a.state else set()
     disk = DiskWatch(a.reports)
     disk.start()

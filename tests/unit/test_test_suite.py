@@ -144,6 +144,23 @@ def test_bad_lanes_are_one_line_before_any_tier_runs(tiers, capsys, lanes, probl
     assert line.startswith("test: error: lanes ") and problem in line and "TEST_LANES" in line, line
 
 
+def test_make_test_refuses_bad_lanes_before_setup_or_any_install(tmp_path):
+    """scripts/test.sh checks TEST_LANES with the standard library alone (test_suite.py --check-lanes),
+    before make setup and before the Docker engine, base image and wheelhouse it starts beside it:
+    with an empty cache folder, nothing is made there."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "DLC_CACHE": str(cache)}
+    argv = [str(REPO / "scripts/test.sh"), "--reports", str(cache / "reports"), "emulated,bogus"]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("test: error: lanes 'emulated,bogus': 'bogus' is not a tier"), line
+    assert not cache.exists()
+    ok = subprocess.run([sys.executable, "scripts/test_suite.py", "--check-lanes", "--reports",
+                         str(cache / "reports"), "lint,unit", "emulated"], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout == ok.stderr == "" and not cache.exists(), ok.stderr
+
 def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
