@@ -31,8 +31,8 @@ from helpers import PROBE, operator, untouched
 from dlcluster import baseline
 from trainkit import record
 
-# the first test also carries the tier's machines and cluster-up (the fixture: up to 600 + 2400 s)
-pytestmark = pytest.mark.timeout(3600)
+# the first test also carries the tier's machines and cluster-up (the fixture: up to 600 + 3600 s)
+pytestmark = pytest.mark.timeout(4800)
 
 
 def test_cluster_up_provisions_every_node_through_the_bastion(emulated):
