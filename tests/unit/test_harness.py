@@ -205,7 +205,8 @@ def checkpoints(home: Path, name: str) -> dict:
 ])
 def test_each_job_alone_publishes_and_resumes_after_epoch_one(tmp_path, name, args):
     """Also: the TensorFlow job's process (its harness, data, training and export) never imports
-    torch, whose CUDA 13 libraries would be loaded first and shadow TensorFlow's CUDA 12 ones."""
+    torch, whose CUDA 13 libraries would be loaded first and shadow TensorFlow's CUDA 12 ones; the
+    autoencoder's run resumed with other shapes is refused in one line, its checkpoint and model kept."""
     first = job(name, *args, "--epochs", "1", "--name", "r", home=tmp_path, python=("-X", "importtime"))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     modules = imported(first.stderr)
