@@ -204,7 +204,12 @@ class FinetuneLM(TorchJob):
             config.precision == "auto" and world.use_gpu and torch.cuda.is_bf16_supported())
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if world.rank == 0 and model.is_gradient_checkpointing:
+                self.say("activation checkpointing: each block's activations recomputed in the backward pass")
         if config.strategy != "fsdp" or not world.grouped:  # one process: nothing to shard over
+            if world.rank == 0 and self.bf16:
+                who = config.strategy if world.grouped else "one process"
+                self.say(f"{who}: bfloat16 compute (autocast)")
             return False
         blocks = sharding.shard(model, set(model._no_split_modules or ()), self.bf16)
         if world.rank == 0:

@@ -126,11 +126,14 @@ def export_torch(model, example, output: Path, input_name: str = "input",
 
     path = staging_path(output)
     model = model.eval().cpu()
+    example = example.cpu()
+    if example.shape[0] < 2:  # torch.export fixes an axis it sees at size 1: trace on two rows
+        example = torch.cat([example] * 2)
     axes = {0: torch.export.Dim("batch", min=1, max=1 << 16)}
     if sequence is not None:
         axes[1] = torch.export.Dim("sequence", min=sequence[0], max=sequence[1])
     torch.onnx.export(
-        model, (example.cpu(),), str(path), dynamo=True, external_data=False,
+        model, (example,), str(path), dynamo=True, external_data=False,
         input_names=[input_name], output_names=[output_name],
         dynamic_shapes=(axes,), verbose=False,
     )

@@ -201,18 +201,21 @@ def checkpoints(home: Path, name: str) -> dict:
     ("ddp_autoencoder", TINY_AE),
     ("horovod_mnist", ["--batch-size", "256"]),
     ("tf_cnn", ["--per-class", "12", "--batch-size", "8"]),
-    ("finetune_lm", ["--limit", "6000", "--batch-size", "8", "--samples", "1"]),
+    ("finetune_lm", ["--limit", "6000", "--batch-size", "8", "--samples", "1", "--precision", "bf16"]),
 ])
 def test_each_job_alone_publishes_and_resumes_after_epoch_one(tmp_path, name, args):
     """Also: the TensorFlow job's process (its harness, data, training and export) never imports
     torch, whose CUDA 13 libraries would be loaded first and shadow TensorFlow's CUDA 12 ones; the
-    autoencoder's run resumed with other shapes is refused in one line, its checkpoint and model kept."""
+    autoencoder's run resumed with other shapes is refused in one line, its checkpoint and model kept;
+    the language model computes in bfloat16 on a CPU (`--precision bf16`), exported in float32."""
     first = job(name, *args, "--epochs", "1", "--name", "r", home=tmp_path, python=("-X", "importtime"))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     modules = imported(first.stderr)
     assert {"trainkit", "onnxruntime"} <= modules, sorted(modules)[:50]  # the report is read right
     torch = sorted(m for m in modules if m == "torch" or m.startswith("torch."))
     assert bool(torch) == (name != "tf_cnn"), torch[:20]
+    if name == "finetune_lm":
+        assert "[finetune_lm] one process: bfloat16 compute (autocast)" in first.stdout, first.stdout[-2000:]
     m1 = manifest(tmp_path, "r")
     assert m1["launcher"] == "local" and m1["world_size"] == 1 and m1["metrics"]["epoch"] == 1
     kept = checkpoints(tmp_path, "r")
