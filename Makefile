@@ -143,7 +143,7 @@ stage-gpu: setup ## stage what a bare offline GPU machine lacks for the GPU tier
 lint: setup ## ruff, mypy, shellcheck, yamllint and ansible-lint (production profile)
 	@scripts/lint.sh
 
-smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the three trainers, ProxyJump
+smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the four trainers, ProxyJump
 	@$(PY) -m dlcluster smoke $(SMOKE_ARGS)
 
 baseline: setup ## record the cluster's performance baseline (no job running): per node step time and storage, per link iperf3, all-reduce busbw

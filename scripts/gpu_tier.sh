@@ -21,6 +21,14 @@ mkdir -p "$out"
 "$py" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' \
   || die "$py sees no CUDA device (torch $("$py" -c 'import torch; print(torch.__version__)'))"
 
+# the language model's FSDP test takes Transformers (with tokenizers and safetensors) from the
+# machine, whose image holds them: no room for its 13 MiB beside Ray's in the stage
+if ver=$("$py" -c 'import safetensors, tokenizers, transformers; print(transformers.__version__)' 2>/dev/null); then
+  echo "gpu-tier: this machine's Transformers $ver (the language model's FSDP test)"
+else
+  echo "gpu-tier: no Transformers on this machine: the language model's FSDP test will be skipped"
+fi
+
 site=$(mktemp -d /tmp/dlc-gpu-site.XXXXXX)
 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$dir"/*.whl
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH

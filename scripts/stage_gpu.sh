@@ -6,6 +6,9 @@
 #   - the small packages Ray and Ray Train need that such a machine lacks (jsonschema and its
 #     family, pydantic and its family, tensorboardX) and cffi for Horovod's build;
 #   - the Horovod sdist (the patch is in the checkout: patches/).
+# The language model's test takes Transformers from the GPU machine (the lent machines' image holds
+# it, with tokenizers and safetensors): its 13 MiB do not fit beside Ray's 51 (scripts/gpu_tier.sh
+# names the version it found, or that the test will be skipped).
 # Versions are this project's environment's, for the Python of the GPU machine.
 #
 #   usage: scripts/stage_gpu.sh [DIR]     DIR: default .gpu-stage (git-ignored)

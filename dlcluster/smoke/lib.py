@@ -40,7 +40,7 @@ TIMEOUTS = {"nodes": 180, "allreduce": 600, "perf": 600, "trainers": 2700, "prox
 # with the job's last lines; pytest-timeout stops a test this much later whatever it waits on (the
 # trainers' model check may run 300 s past the limit, a stopped job takes up to 30 s to end).
 HARD_STOP_AFTER = 360
-TRAINERS = ("ddp_autoencoder", "horovod_mnist", "tf_cnn")
+TRAINERS = ("ddp_autoencoder", "horovod_mnist", "tf_cnn", "finetune_lm")
 DEFAULT_SIZES_MIB = (1, 4, 16, 64, 256)
 EXCLUDES = list(record.EXCLUDES)  # what the ignore files leave behind: .git travels, for the manifest
 LOG_TAIL = 30
@@ -145,6 +145,8 @@ def trainer_args(job: str, workers: int, use_gpu: bool) -> list[str]:
         return [*common, "--batch-size", str(max(1, min(64, 1500 // workers)))]
     if job == "tf_cnn":
         return [*common, "--per-class", str(max(24, 6 * workers)), "--batch-size", "4"]
+    if job == "finetune_lm":  # the tiny model sharded over the workers (FSDP2), blocks of 128 tokens
+        return [*common, "--limit", str(128 * max(24, 6 * workers)), "--batch-size", "4", "--samples", "1"]
     raise ValueError(job)
 
 

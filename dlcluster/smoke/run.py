@@ -16,8 +16,9 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
              the allreduce step's bus bandwidth, against the cluster's baseline
              (dlcluster/baseline.py): one line per figure past its threshold, a table, a plot;
              --record-baseline records one instead (make baseline: allreduce and perf only)
-  trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py and jobs/tf_cnn.py (--trainers: some of
-             them), one tiny epoch with one worker per node; each must succeed and leave an ONNX
+  trainers   jobs/ddp_autoencoder.py, jobs/horovod_mnist.py, jobs/tf_cnn.py and jobs/finetune_lm.py
+             (its model sharded over the nodes; --trainers: some of them), one tiny epoch with one
+             worker per node; each must succeed and leave an ONNX
              model that a check job on the cluster loads in onnxruntime, runs on zeros and checks
              against its manifest
   proxyjump  (only with ssh_config and bastion) every node with an ip refuses a direct TCP

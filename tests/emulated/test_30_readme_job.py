@@ -1,6 +1,6 @@
 """The README's job through the tunnel (one run, shared by the module): across the nodes, in
-Prometheus in a browser, in the run history behind its sign-in; the language model sharded
-across the three nodes."""
+Prometheus in a browser, in the run history behind its sign-in (the language model sharded across
+the three nodes is make smoke's, test_50)."""
 
 from __future__ import annotations
 
@@ -107,34 +107,6 @@ def test_readme_job_runs_across_the_nodes_through_the_tunnel(emulated, readme_ru
     assert said.count(grafana) == 1, said[-3000:]
     assert "set dlc_grafana: false to leave Grafana out" in said and "dashboards: no Grafana" in said
     assert record.load(emulated.config / record.RECORD).grafana_url is None
-
-
-def test_the_language_model_is_sharded_across_the_three_nodes_host_and_docker(emulated):
-    """jobs/finetune_lm.py through the tunnel: FSDP2 over one rank on each node (node-3's in the
-    project's image, the others in the nodes' virtualenv), its sharded checkpoint on the shared
-    storage in three parts, published whole from it."""
-    name = f"lm-{int(time.time())}"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{PORT}", "--working-dir", ".",
-           "--", "python", "jobs/finetune_lm.py", "--num-workers", "3", "--limit", "12000", "--batch-size",
-           "8", "--samples", "1", "--name", name]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=emulated.client_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=900)
-    finally:
-        stop_jobs(emulated, running_jobs_of(emulated, name))
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0 and "succeeded" in proc.stdout, proc.stdout[-3000:]
-    assert "FSDP2: 2 blocks and the root sharded over 3 workers" in proc.stdout
-    published = json.loads(emulated.ssh("node-2", "cat", f"/srv/dlcluster/runs/{name}/published.json").stdout)
-    manifest = json.loads(emulated.ssh("node-3", "cat", published["manifest"]).stdout)
-    assert manifest["world_size"] == 3 and manifest["sharded"] is True
-    assert manifest["parity"]["max_abs_diff"] <= manifest["parity"]["tolerance"]
-    runtimes = dict(zip(manifest["replica_hosts"], manifest["replica_runtimes"], strict=True))
-    assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
-    parts = emulated.ssh("node-2", f"ls -A /srv/dlcluster/runs/{name}/checkpoint_*/").stdout.split()
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "meta.json"} <= set(parts), parts
-    folder = published["model"].rsplit("/", 1)[0] + "/pretrained"
-    assert emulated.ssh("node-3", "test", "-s", f"{folder}/model.safetensors").returncode == 0
 
 
 # Prometheus' graph page (the distribution's: its classic UI, where Rickshaw draws each series as an

@@ -131,7 +131,8 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     checkpoint. During the resumed run a worker node is killed (`docker kill`, mid-run, after the
     resumed run registered a checkpoint of its own): the run finishes on the two nodes left, from
     that checkpoint; the node comes back and its Ray rejoins by itself. Then the new jobs train on
-    all three nodes: make smoke runs every trainer across the cluster. Meanwhile, every few seconds,
+    all three nodes: make smoke trains three jobs across the cluster, the language model sharded over
+    the nodes. Meanwhile, every few seconds,
     an outsider on node-1's public network (routing to the private addresses through node-1, as
     anyone on that segment could) tries every port node-1 listens on, on its addresses, public IPv4
     and IPv6 and private: only ssh answers.
@@ -208,10 +209,9 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     report = tmp_path / "smoke.json"
     # every step but the all-reduce sweep and the perf step, which the first cluster-up's baseline
     # ran (its fixture); the perf step's findings are the slowed-node test's, and make upgrade's
-    # test runs it on the upgraded node. Two trainers, one round (2 CPUs a node): the third,
-    # ddp_autoencoder across the three nodes, host and docker, is the README run's (test_30), and
-    # the cluster tier's make smoke trains all three
-    only = "--only nodes,trainers,proxyjump --trainers horovod_mnist,tf_cnn"
+    # test runs it on the upgraded node. Three trainers, two at a time (2 CPUs a node): the fourth,
+    # ddp_autoencoder across the three nodes, host and docker, is the README run's (test_30)
+    only = "--only nodes,trainers,proxyjump --trainers horovod_mnist,tf_cnn,finetune_lm"
     smoke = subprocess.Popen(["make", "--no-print-directory", "smoke", f"SMOKE_ARGS=--json {report} {only}"],
                              cwd=REPO, env=emulated.env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -247,9 +247,10 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         assert step["ok"] and not step.get("skipped"), (name, step)
     # every trainer left a verified model, checked on the cluster: one rank per node
     jobs = steps["trainers"]["details"]["jobs"]
-    assert set(jobs) == {"horovod_mnist", "tf_cnn"} and steps["trainers"]["details"]["at_once"] == 2
+    assert set(jobs) == {"horovod_mnist", "tf_cnn", "finetune_lm"}
+    assert steps["trainers"]["details"]["at_once"] == 2
     names = {r["name"] for r in jobs.values()}
-    assert len(names) == 2 and all(n.startswith("smoke-") for n in names)
+    assert len(names) == 3 and all(n.startswith("smoke-") for n in names)
     for job, r in jobs.items():
         assert r["status"] == "SUCCEEDED" and r["verified"] is True, (job, r)
         check = r["check"]
@@ -259,6 +260,19 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
         assert check["output_shape"][0] == 1
     assert jobs["tf_cnn"]["check"]["input_shape"] == [1, 150, 150, 3]
     assert jobs["horovod_mnist"]["check"]["output_shape"] == [1, 10]
+    # the language model sharded over one rank on each node (node-3's in the project's image, the
+    # others in the nodes' virtualenv), its checkpoint on the shared storage in three parts, published
+    # whole from it in save_pretrained's layout too
+    lm = jobs["finetune_lm"]
+    lm_manifest = json.loads(emulated.ssh("node-3", "cat", lm["manifest"]).stdout)
+    assert lm_manifest["world_size"] == 3 and lm_manifest["sharded"] is True
+    assert lm_manifest["strategy"] == "fsdp"
+    runtimes = dict(zip(lm_manifest["replica_hosts"], lm_manifest["replica_runtimes"], strict=True))
+    assert runtimes == {"node-1": "host", "node-2": "host", "node-3": "docker"}, runtimes
+    parts = emulated.ssh("node-2", f"ls -A /srv/dlcluster/runs/{lm['name']}/checkpoint_*/").stdout.split()
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "meta.json"} <= set(parts), parts
+    folder = lm["model"].rsplit("/", 1)[0] + "/pretrained"
+    assert emulated.ssh("node-3", "test", "-s", f"{folder}/model.safetensors").returncode == 0
     assert training, "no port opened while the trainers ran: the probe saw no training"
     assert everywhere, "nothing but ssh listens on the public address: the probe proves nothing"
     # only ssh, on the public addresses, IPv4 and IPv6 (and the private one, routed through node-1,

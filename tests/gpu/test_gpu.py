@@ -93,9 +93,10 @@ def test_autoencoder_on_ray_with_nccl(tmp_path, gpus):
 def test_language_model_under_torchrun_fsdp2_in_bfloat16(tmp_path, gpus):
     """The language model's FSDP2 run on CUDA with NCCL, bfloat16 compute (`--precision auto` on a
     GPU that supports it), published from its sharded checkpoint."""
-    pytest.importorskip("transformers", reason="Transformers is not installed on this machine "
-                                               "(make stage-gpu cannot carry it beside Ray: 76 MiB "
-                                               "over its 60)")
+    pytest.importorskip("transformers", reason="Transformers is not installed on this machine: the "
+                                               "test takes the machine's own, as the lent GPU machines' "
+                                               "image holds it (make stage-gpu cannot carry its 13 MiB "
+                                               "beside Ray's 51 within 60)")
     import torch
 
     if not torch.cuda.is_bf16_supported():

@@ -221,7 +221,10 @@ def test_trainer_flags_give_every_worker_a_whole_batch(workers):
     check_batch(flag(tf, "--batch-size"), len(train), workers)
     assert len(val) >= workers  # the tf job's own check
     assert flag(tf, "--num-workers") == workers and tf[tf.index("--use-gpu") + 1] == "true"
-    assert flag(ae, "--epochs") == flag(hvd, "--epochs") == flag(tf, "--epochs") == 1
+    lm = lib.trainer_args("finetune_lm", workers, False)
+    train, val = data.split_indices(flag(lm, "--limit") // 128, 0.05)  # blocks of --block-size's 128
+    check_batch(flag(lm, "--batch-size"), len(train), workers)
+    assert flag(ae, "--epochs") == flag(hvd, "--epochs") == flag(tf, "--epochs") == flag(lm, "--epochs") == 1
 
 
 def test_model_paths_and_payload_from_logs():
@@ -483,7 +486,7 @@ def test_the_trainers_run_together_as_far_as_the_smallest_node_holds_one_worker_
     ctx = lib.Context(d, args(), None)
     for n in d["nodes"]:  # GPU nodes: a GPU per worker, whatever the CPUs
         n.update(cpus=16, gpus=8)
-    assert ctx.use_gpu and ctx.trainers_at_once == len(lib.TRAINERS)  # all three at once
+    assert ctx.use_gpu and ctx.trainers_at_once == len(lib.TRAINERS)  # all four at once
     d["nodes"][1]["gpus"] = 1
     assert ctx.trainers_at_once == 1  # one after the other: a node has room for one worker
     for n in d["nodes"]:  # CPU nodes (the emulated cluster's: 2 CPUs each): two at once
@@ -494,11 +497,11 @@ def test_the_trainers_run_together_as_far_as_the_smallest_node_holds_one_worker_
     two = lib.Context(d, args("--trainers", "tf_cnn,horovod_mnist"), None)
     assert two.trainers == ["horovod_mnist", "tf_cnn"] and two.trainers_at_once == 2  # one round
     for n in d["nodes"]:
-        n["cpus"] = 8
+        n["cpus"] = 3
     assert ctx.trainers_at_once == 3 and two.trainers_at_once == 2
 
 
-def test_trainers_names_some_of_the_three_jobs_or_is_one_line():
+def test_trainers_names_some_of_the_four_jobs_or_is_one_line():
     assert args().trainers == list(lib.TRAINERS)
     for bad, said in (("tf_cnn,resnet", "unknown job(s) resnet"), (",", "unknown job(s) (none given)")):
         with pytest.raises(UserError, match=re.escape(said) + ".*use some of ddp_autoencoder,horovod_mnist"):
