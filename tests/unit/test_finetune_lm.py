@@ -34,6 +34,27 @@ def test_a_sharded_checkpoint_of_two_ranks_loads_whole_on_one_and_on_three(tmp_p
         assert torchrun(n, "load", str(tmp_path / "ckpt")) == f"world {n} {want}"
 
 
+def test_ddp_replicas_of_the_small_model_under_torchrun(tmp_path):
+    """--strategy ddp (a whole replica per process, the replicas checked equal after the epoch),
+    --size small and --val-fraction, under torchrun's two processes."""
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "jobs/finetune_lm.py",
+                           "--strategy", "ddp", "--size", "small", "--val-fraction", "0.25",
+                           "--limit", "8192", "--batch-size", "8", "--epochs", "1", "--samples", "0",
+                           "--name", "ddp", "--tracking", "off"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+                               "DLC_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    described = "a small llama built from its config (4 blocks, width 256), ddp;"
+    assert described in proc.stdout, proc.stdout[-2000:]
+    assert "64 blocks of 128" in proc.stdout and "FSDP2" not in proc.stdout
+    m = json.loads((tmp_path / "models" / "ddp" / "manifest.json").read_text())
+    assert m["strategy"] == "ddp" and m["launcher"] == "torchrun" and m["world_size"] == 2
+    assert m["replicas_in_sync"] is True and "sharded" not in m and m["parity"]["max_abs_diff"] <= 1e-4
+    # 48 of the 64 blocks train (a quarter held out): 24 a process, three batches of 8
+    assert m["metrics"]["train_iters"] == 3 and m["metrics"]["world_size"] == 2
+
+
 def tiny_folder(folder: Path, vocab: int = 260) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
