@@ -211,7 +211,8 @@ class FinetuneLM(TorchJob):
                 who = config.strategy if world.grouped else "one process"
                 self.say(f"{who}: bfloat16 compute (autocast)")
             return False
-        blocks = sharding.shard(model, set(model._no_split_modules or ()), self.bf16)
+        blocks = sharding.shard(model, sharding.blocks(model, model_shape(config.model_config)["layers"]),
+                                self.bf16)
         if world.rank == 0:
             self.say(f"FSDP2: {blocks} blocks and the root sharded over {world.size} workers"
                      + (", bfloat16 compute" if self.bf16 else ""))

@@ -20,22 +20,34 @@ from torch import nn
 from .errors import UserError
 
 
-def shard(model: nn.Module, block_classes: set[str], bf16: bool) -> int:
-    """FSDP2 over the world's group: each module whose class is in `block_classes` (a transformer
-    block) is its own unit, the root holds the rest (embeddings, head). With `bf16`: parameters
-    cast to bfloat16 for compute, gradients reduced in float32. The number of blocks sharded."""
+def blocks(model: nn.Module, layers: int | None) -> list[nn.Module]:
+    """A Transformers model's blocks, whatever its architecture: the modules of the classes it names
+    as never to be split (`_no_split_modules`, e.g. LlamaDecoderLayer), else the entries of its one
+    module list of `layers` modules (the config's number of layers: many architectures, GPT-2's
+    ancestors and encoder-decoders' decoders among them, name no such class)."""
+    named = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in named]
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and layers and len(m) == layers]
+    return list(lists[0]) if len(lists) == 1 else []
+
+
+def shard(model: nn.Module, units: list[nn.Module], bf16: bool) -> int:
+    """FSDP2 over the world's group: each of `units` (a transformer block: `blocks`) is its own
+    unit, the root holds the rest (embeddings, head). With `bf16`: parameters cast to bfloat16 for
+    compute, gradients reduced in float32. The number of blocks sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
-    if not blocks:
-        raise UserError(f"the model has none of its transformer blocks ({', '.join(sorted(block_classes))}) "
-                        "to shard; use --strategy ddp")
-    for block in blocks:
+    if not units:
+        raise UserError(f"the model ({type(model).__name__}) names no transformer blocks and holds no "
+                        "list of its layers to shard them by; use --strategy ddp")
+    for block in units:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return len(blocks)
+    return len(units)
 
 
 def grouped() -> bool:

@@ -34,6 +34,33 @@ def test_a_sharded_checkpoint_of_two_ranks_loads_whole_on_one_and_on_three(tmp_p
         assert torchrun(n, "load", str(tmp_path / "ckpt")) == f"world {n} {want}"
 
 
+def test_the_blocks_to_shard_are_found_in_any_architecture():
+    """The class the architecture names (Llama's, GPT-2's), else its list of layers (BioGPT and CTRL
+    name none); a model with neither has none, and sharding it is one line."""
+    from transformers import AutoModelForCausalLM, BioGptConfig, CTRLConfig, GPT2Config, LlamaConfig
+
+    from trainkit import sharding
+    from trainkit.errors import UserError
+
+    small = {"vocab_size": 64}
+    for config, layers, name in [
+        (LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                     **small), 3, "LlamaDecoderLayer"),
+        (GPT2Config(n_layer=2, n_embd=16, n_head=2, **small), 2, "GPT2Block"),
+        (BioGptConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      **small), 2, "BioGptDecoderLayer"),
+        (CTRLConfig(n_layer=2, n_embd=16, n_head=2, dff=32, **small), 2, "EncoderLayer"),
+    ]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        found = sharding.blocks(model, layers)
+        assert [type(b).__name__ for b in found] == [name] * layers, (type(model).__name__, found)
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert sharding.blocks(plain, 2) == []
+    with pytest.raises(UserError, match=r"the model \(Sequential\) names no transformer blocks"):
+        sharding.shard(plain, [], bf16=False)
+
+
 def test_ddp_replicas_of_the_small_model_under_torchrun(tmp_path):
     """--strategy ddp (a whole replica per process, the replicas checked equal after the epoch),
     --size small and --val-fraction, under torchrun's two processes."""
