@@ -24,8 +24,8 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dlcluster import record
 from dlcluster.doctor import Finding, ssh
-from trainkit import record
 
 FORMAT: Final = "dlcluster-baseline/1"
 IPERF_PORT = 5201  # iperf3's own; the firewall lets the cluster's nodes reach any port

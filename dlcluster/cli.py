@@ -53,13 +53,13 @@ COMMANDS: dict[str, Command] = {
                         "running cluster, one worker at a time (drained, restarted, checked, rolled back "
                         "on failure), the head last"),
     "token": Command("changes nothing: prints the current cluster's Ray token to the terminal", "token",
-                     ("module", "trainkit.record", "token")),
+                     ("module", "dlcluster.record", "token")),
     "grafana-password": Command("changes nothing: prints the current cluster's Grafana admin password to "
                                 "the terminal", "grafana-password",
-                                ("module", "trainkit.record", "grafana-password")),
+                                ("module", "dlcluster.record", "grafana-password")),
     "tracking-password": Command("changes nothing: prints the run history's URL, user and password to the "
                                  "terminal", "tracking-password",
-                                 ("module", "trainkit.record", "tracking-password")),
+                                 ("module", "dlcluster.record", "tracking-password")),
     "runs": Command("changes nothing: the last runs from the cluster's run history (--run NAME: its "
                     "metrics per epoch)", "runs", ("module", "dlcluster.runs"), flags=True),
     "submit": Command("starts a job: `ray job submit` of jobs/JOB.py and its flags to the current "

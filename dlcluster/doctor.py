@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from trainkit import record
+from dlcluster import record
 from trainkit.errors import EXIT_USER_ERROR, UserError
 
 PROBE = Path(__file__).with_name("doctor_probe.py")

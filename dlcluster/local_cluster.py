@@ -15,7 +15,7 @@ this user on 127.0.0.1:METRICS_PORT, scraping every node's Ray metrics (Ray's ow
 training metrics) through the service-discovery file Ray writes in the head's temp dir; its data
 lives in the temp root and goes with `down`. Without one, a line says how to get it.
 
-`up` writes the cluster record (trainkit/record.py) to $DLC_CONFIG/clusters/local/ and makes it
+`up` writes the cluster record (dlcluster/record.py) to $DLC_CONFIG/clusters/local/ and makes it
 current ($DLC_CONFIG/cluster.json, ray-client.env): kind "local", ip null for every node (Ray
 shows the host's address for all of them), no ssh_config or bastion. `down` removes the current
 record only when it is this local cluster's.
@@ -39,8 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import NoReturn
 
-from dlcluster import services
-from trainkit import record
+from dlcluster import record, services
 
 CONFIG = record.config_dir()
 LOCAL = CONFIG / "clusters" / "local"  # laid out like every other cluster's folder

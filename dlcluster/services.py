@@ -31,7 +31,7 @@ class Service:
     local_port: str  # roles/cluster_defaults's variable that scripts/cluster.sh sets to it
     head_port: str  # the variable of the head's port
     enabled: tuple[str, ...]  # the variables that turn it on, all of them (none: always on)
-    record: str  # the cluster record's URL field (trainkit/record.py)
+    record: str  # the cluster record's URL field (dlcluster/record.py)
     credential: str
     default: int  # the tunnel's local end when the Make variable is not set
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainkit import record
+from dlcluster import record
 from trainkit.errors import UserError
 from trainkit.flags import default_name, run_name
 

@@ -8,8 +8,8 @@
 Each prints exactly one machine-readable line, `SMOKE_JSON {...}`, that the controller parses
 from the job's logs (everything else in the logs is for people). They run as the job's driver
 (the head node), with the repository as the working dir, on the cluster's own Python; at the top
-they import only the standard library and what both sides share (dlcluster/smoke/protocol.py,
-from the working dir).
+they import only the standard library and what both sides share (trainkit/smoke_protocol.py, the
+working dir's harness); nothing here imports the operator's package (dlcluster).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from dlcluster.smoke.protocol import MARKER, MIB, bandwidth, iterations  # the working dir's
+from trainkit.smoke_protocol import MARKER, MIB, bandwidth, iterations  # the working dir's
 
 
 def emit(payload: dict) -> None:

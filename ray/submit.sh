@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make submit / make demo: `ray job submit` of jobs/JOB.py to the current cluster: the README's
 # line, plus the checkout's commit as data (DLC_SUBMIT_COMMIT), with the job API address and token
-# from the cluster record ($DLC_CONFIG/cluster.json, trainkit/record.py). What travels is what git
+# from the cluster record ($DLC_CONFIG/cluster.json, dlcluster/record.py). What travels is what git
 # tracks, and the files UPLOAD names, staged in a private folder (dlcluster/upload.py): nothing else.
 # Each submission is kept ($DLC_CONFIG/clusters/<cluster>/runs/<run>.json, dlcluster/submissions.py)
 # with its run name (--name; one is chosen here when the flags have none), so that
@@ -28,7 +28,7 @@ if [ ! -f "jobs/$job.py" ]; then
   die "no jobs/$job.py; JOB is one of: ${jobs[*]%.py}"
 fi
 # the client env: KEY=VALUE lines, read as data (never evaluated)
-client_env=$(.venv/bin/python -m trainkit.record env) || exit 2   # one line on a bad record
+client_env=$(.venv/bin/python -m dlcluster.record env) || exit 2   # one line on a bad record
 while IFS= read -r line; do
   line=${line#export }
   [[ $line =~ ^[A-Z_][A-Z0-9_]*= ]] || continue
@@ -41,7 +41,7 @@ api=${RAY_ADDRESS#http://}
 # So does where this operator's browser reaches the run history (the record's tunnel end): the
 # links the run prints.
 commit=$(git rev-parse HEAD 2>/dev/null) && { [ -z "$(git status --porcelain -uno)" ] || commit+=-dirty; }
-env_json=$(DLC_SUBMIT_COMMIT=${commit:-} .venv/bin/python -m trainkit.record runtime-env) || exit 2
+env_json=$(DLC_SUBMIT_COMMIT=${commit:-} .venv/bin/python -m dlcluster.record runtime-env) || exit 2
 runtime_env=(--runtime-env-json "$env_json")
 stage=$(mktemp -d "${TMPDIR:-/tmp}/dlc-upload.XXXXXXXX")   # 0700, a name nobody can guess
 trap 'rm -rf "$stage"' EXIT

@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .contract import Target, run_page  # noqa: F401 - run_page: a run's page, as runs.py and the tests ask tracking for it
 from .progress import COUNTERS, say
@@ -73,27 +74,38 @@ def setting(flag: str | None) -> tuple[str | None, str]:
         return flag.rstrip("/"), "--tracking"
     if os.environ.get(URL_ENV) == "off":  # everything started from this environment
         return None, f"{URL_ENV}=off"
-    if os.environ.get(URL_ENV):
-        from .flags import tracking
+    from .flags import tracking
 
-        try:  # the flag's own check: a URL with credentials in it is refused, never echoed
-            return tracking(os.environ[URL_ENV]).rstrip("/"), URL_ENV
-        except argparse.ArgumentTypeError as e:
-            return None, f"{URL_ENV} {e}"
-    rec = _record()
-    if rec is not None and rec.tracking_url:
-        return rec.tracking_url.rstrip("/"), f"cluster {rec.name}'s record"
-    return None, "no tracking server: none in the environment or the cluster record"
+    url, how = os.environ.get(URL_ENV), URL_ENV
+    if not url:
+        rec = _record()
+        url, how = (rec.tracking_url, f"cluster {rec.name}'s record") if rec is not None else (None, "")
+    if not url:
+        return None, "no tracking server: none in the environment or the cluster record"
+    try:  # the flag's own check: a URL with credentials in it is refused, never echoed
+        return tracking(url).rstrip("/"), how
+    except argparse.ArgumentTypeError as e:
+        return None, f"{how} {e}" if how == URL_ENV else f"{how}: {e}"
 
 
-def _record():
-    from . import record
-    from .errors import UserError
+class _Current(NamedTuple):
+    name: str
+    tracking_url: str | None
+    tracking_auth_path: str | None
 
+
+def _record() -> _Current | None:
+    """What the harness takes from the operator's current cluster record (a plain launcher on the
+    client): read as data, `$DLC_CONFIG/cluster.json`, whose model and checks are the operator's
+    (dlcluster/record.py, which wrote it); None where there is none or it is not a record."""
+    path = Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser() / "cluster.json"
     try:
-        return record.load()
-    except UserError:
+        data = json.loads(path.read_text())
+        found = _Current(data["name"], data.get("tracking_url"), data.get("tracking_auth_path"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    ok = isinstance(found.name, str) and all(v is None or isinstance(v, str) for v in found[1:])
+    return found if ok else None
 
 
 def credentials() -> tuple[str, str] | None:

@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlcluster import plots
+from dlcluster import plots, record
 from dlcluster.bench import fsdp, strategies
-from trainkit import launch, record
+from trainkit import launch
 from trainkit.errors import UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit import record
+from dlcluster import record
 from trainkit.errors import run_main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -27,10 +27,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from dlcluster import baseline
-from dlcluster.smoke.protocol import MARKER
-from trainkit import record
+from dlcluster import baseline, record
 from trainkit.errors import UserError
+from trainkit.smoke_protocol import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "smoke"

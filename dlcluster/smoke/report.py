@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dlcluster.smoke.lib import log
-from dlcluster.smoke.protocol import MIB
+from trainkit.smoke_protocol import MIB
 
 
 class SmokeReport:

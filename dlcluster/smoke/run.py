@@ -25,7 +25,7 @@ Steps, in this order (each with a time limit, a progress line, and a result in t
              connection to port 22 from here, and `ssh -F ssh_config NODE hostname` gets through
              the bastion
 
-The steps are a pytest suite, ray/smoke_suite/test_steps.py, which this script runs (pytest.main)
+The steps are a pytest suite, dlcluster/smoke/suite/test_steps.py, which this script runs (pytest.main)
 after checking its input; dlcluster/smoke/report.py is the plugin that prints the lines below and
 writes the report. Everything but proxyjump runs as a Ray job submitted over HTTP to the cluster
 record's job_api (ray.job_submission.JobSubmissionClient, token auth), with this repository as
@@ -53,7 +53,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dlcluster import baseline
+from dlcluster import baseline, record
 from dlcluster.smoke.lib import (
     CONTEXT,
     DEFAULT_SIZES_MIB,
@@ -69,13 +69,12 @@ from dlcluster.smoke.lib import (
     log,
     snapshot,
 )
-from dlcluster.smoke.protocol import MIB
 from dlcluster.smoke.report import SmokeReport
-from trainkit import record
 from trainkit.errors import EXIT_USER_ERROR, UserError
+from trainkit.smoke_protocol import MIB
 
 REPO = Path(__file__).resolve().parents[2]
-SUITE = REPO / "ray" / "smoke_suite"  # the steps, a pytest suite beside the job side (ray/smoke_checks.py)
+SUITE = Path(__file__).parent / "suite"  # the steps, a pytest suite (the job side: ray/smoke_checks.py)
 # pytest's own output is silenced (the plugin prints the steps' lines), its capture off (the
 # progress lines appear as they happen), and no ini file nor cache: the suite has no settings
 # but these, whatever the checkout's pyproject.toml sets for tests/.
@@ -84,7 +83,7 @@ PYTEST_ARGS = ["-qq", "--no-header", "--no-summary", "-s", "-p", "no:cacheprovid
 
 
 def load_record(path: Path) -> dict:
-    """The cluster record (trainkit/record.py) as a dict; a bad one is a one-line UserError."""
+    """The cluster record (dlcluster/record.py) as a dict; a bad one is a one-line UserError."""
     return record.load(path).model_dump()
 
 
@@ -95,7 +94,7 @@ def sizes_bytes(args: argparse.Namespace) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                epilog="The cluster record's fields: python -m trainkit.record schema",
+                                epilog="The cluster record's fields: python -m dlcluster.record schema",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="the cluster record (default: $DLC_CONFIG/cluster.json)")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from trainkit import record
+from dlcluster import record
 from trainkit.versions import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ from conftest import BIN, REPO, plain_env, ray_noise, read_manifest
 from ddp_autoencoder import AutoEncoder
 from PIL import Image
 
+from dlcluster import record
 from tests.promql import wait_for_query
-from trainkit import data, record
+from trainkit import data
 
 JOB = "ddp_autoencoder"
 TINY = ["--image-size", "40x60", "--batch-size", "8", "--num-workers", "2"]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from conftest import BIN, REPO, start_cluster, stop_cluster
 
-from trainkit import record
+from dlcluster import record
 
 
 def ray_list_nodes(env, port):

@@ -1,6 +1,7 @@
 """make smoke end to end on the 2-node fixture cluster: the cluster record `up` wrote, the nodes
-and all-reduce steps (the pytest suite ray/smoke_suite, run by dlcluster/smoke/run.py) through the job API,
-the JSON report, the printed lines, and a cluster record the cluster does not match. Its trainers
+and all-reduce steps (the pytest suite dlcluster/smoke/suite, run by dlcluster/smoke/run.py)
+through the job API, the JSON report, the printed lines, and a cluster record the cluster does not
+match. Its trainers
 step (the jobs, one tiny epoch each, models verified on the cluster) is asserted in the emulated
 tier's smoke run, across 3 nodes (horovod_mnist and tf_cnn; ddp_autoencoder there is the README
 run's); this tier's own job tests train the same jobs on this cluster."""
@@ -13,7 +14,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from trainkit import record
+from dlcluster import record
 
 N = 2
 

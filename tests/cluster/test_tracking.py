@@ -22,9 +22,9 @@ import pytest
 from conftest import REPO, SERVERS, plain_env, read_manifest, stop_server
 from test_fault_tolerance import Running, kill, ray_train_workers
 
-from dlcluster import local_cluster
+from dlcluster import local_cluster, record
 from tests.browser import chromium, mlflow_chart_points, signed_in
-from trainkit import contract, record
+from trainkit import contract
 
 TINY = ["--image-size", "40x60", "--batch-size", "8"]
 

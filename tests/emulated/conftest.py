@@ -40,7 +40,7 @@ import psutil
 import pytest
 import yaml
 
-from trainkit import record
+from dlcluster import record
 from trainkit.versions import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,8 +28,7 @@ from conftest import (
 )
 from helpers import PROBE, operator, untouched
 
-from dlcluster import baseline
-from trainkit import record
+from dlcluster import baseline, record
 
 # the first test also carries the tier's machines and cluster-up (the fixture: up to 600 + 3600 s)
 pytestmark = pytest.mark.timeout(4800)

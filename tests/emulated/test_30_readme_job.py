@@ -28,9 +28,10 @@ from conftest import (
 )
 from helpers import published, running_jobs_of, stop_jobs
 
+from dlcluster import record
 from tests.browser import LAUNCH_ARGS, chromium, mlflow_chart_points, signed_in
 from tests.promql import wait_for_query
-from trainkit import record, tracking
+from trainkit import tracking
 
 pytestmark = pytest.mark.timeout(1800)
 # the run history's name on the cluster's network (its certificate's, the nodes' DLC_TRACKING_URL)

@@ -42,7 +42,7 @@ from helpers import (
     untouched,
 )
 
-from trainkit import record
+from dlcluster import record
 
 pytestmark = pytest.mark.timeout(1800)
 

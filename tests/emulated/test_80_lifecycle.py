@@ -33,7 +33,7 @@ from helpers import (
     tracking_status,
 )
 
-from trainkit import record
+from dlcluster import record
 
 pytestmark = pytest.mark.timeout(1800)
 

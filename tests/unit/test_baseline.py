@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dlcluster import baseline, plots
+from dlcluster import baseline, plots, record
 from dlcluster.smoke import lib
-from trainkit import record
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "ray"))

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dlcluster import doctor, doctor_probe
-from trainkit import record
+from dlcluster import doctor, doctor_probe, record
 
 RECORDED = json.loads((Path(__file__).parent / "recorded/doctor_emulated.json").read_text())
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from trainkit import record
+from dlcluster import record
 from trainkit.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
 def test_the_command_line(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(remote()))
-    run = [sys.executable, "-m", "trainkit.record"]
+    run = [sys.executable, "-m", "dlcluster.record"]
     ok = subprocess.run([*run, "check", str(path)], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0 and "cluster lab (ansible, 3 node(s)) at http://127.0.0.1:8265" in ok.stdout
     env = subprocess.run([*run, "env", str(path)], cwd=REPO, capture_output=True, text=True)

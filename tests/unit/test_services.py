@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlcluster import services
-from trainkit import record
+from dlcluster import record, services
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"

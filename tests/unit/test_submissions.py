@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from test_record import remote
 
-from dlcluster import submissions
-from trainkit import record
+from dlcluster import record, submissions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from trainkit import record, tracking
+from dlcluster import record
+from trainkit import tracking
 from trainkit.contract import Run
 
 
@@ -38,6 +39,24 @@ def test_the_flag_then_the_nodes_environment_then_the_record(clean, tmp_path):
     clean.setenv(tracking.URL_ENV, "off")  # off for everything started from here (the unit tier)
     assert tracking.setting("auto") == (None, f"{tracking.URL_ENV}=off")
     assert tracking.check(a_run(tracking_off=f"{tracking.URL_ENV}=off"), 1)["state"] == "off"
+
+
+def test_the_harness_reads_the_record_as_data_and_checks_its_url(clean, tmp_path):
+    """The harness reads the current record as a file (its model is the operator's package, which
+    the harness never imports): a record edited by hand is held to the flag's own check, and a file
+    that is no record is no server."""
+    import json
+
+    a_record(tmp_path, tracking_url="http://127.0.0.1:5001")
+    data = json.loads((tmp_path / "cluster.json").read_text())
+    (tmp_path / "cluster.json").write_text(json.dumps({**data, "tracking_url": "http://u:secret@10.0.0.1:5000"}))
+    url, why = tracking.setting("auto")
+    assert url is None and why.startswith("cluster local's record: ") and "secret" not in why, why
+    for text in ("[]", "{", json.dumps({"tracking_url": "http://127.0.0.1:5001"}),
+                 json.dumps({**data, "tracking_url": 5001})):
+        (tmp_path / "cluster.json").write_text(text)
+        assert tracking.setting("auto") == (None, "no tracking server: none in the environment or the "
+                                                  "cluster record"), text
 
 
 def test_credentials_from_the_nodes_file_else_the_records(clean, tmp_path):

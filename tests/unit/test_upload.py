@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from ray._private.runtime_env.packaging import _zip_files
 
-from trainkit import onnx_export, record
+from dlcluster import record
+from trainkit import onnx_export
 
 REPO = Path(__file__).resolve().parents[2]
 

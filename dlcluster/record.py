@@ -4,14 +4,14 @@ Every `make cluster-up` writes `$DLC_CONFIG/clusters/<name>/cluster.json` and ma
 cluster (`$DLC_CONFIG/cluster.json`, with `$DLC_CONFIG/ray-client.env` beside it): the local
 cluster through `ClusterRecord.write`, the Ansible control role from its template (a unit test
 validates that template's output against this model, and the role checks what it wrote with
-`python -m trainkit.record check`). `make submit`, `make smoke`, the benchmark and the test
+`python -m dlcluster.record check`). `make submit`, `make smoke`, the benchmark and the test
 fixtures find the cluster, its job API and its token only here.
 
-    python -m trainkit.record show|env|check [FILE]   # the record; its client env; validate
-    python -m trainkit.record token [FILE]            # the cluster's Ray token (the dashboard asks)
-    python -m trainkit.record grafana-password [FILE] # Grafana's admin password (its sign-in page asks)
-    python -m trainkit.record tracking-password [FILE] # the run history's URL, user and password
-    python -m trainkit.record schema                   # its JSON Schema
+    python -m dlcluster.record show|env|check [FILE]   # the record; its client env; validate
+    python -m dlcluster.record token [FILE]            # the cluster's Ray token (the dashboard asks)
+    python -m dlcluster.record grafana-password [FILE] # Grafana's admin password (its sign-in page asks)
+    python -m dlcluster.record tracking-password [FILE] # the run history's URL, user and password
+    python -m dlcluster.record schema                   # its JSON Schema
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import EXIT_USER_ERROR, UserError
+from trainkit.errors import EXIT_USER_ERROR, UserError
 
 FORMAT: Final = "dlcluster-cluster/2"
 RECORD = "cluster.json"

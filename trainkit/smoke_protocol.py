@@ -1,6 +1,7 @@
 """What make smoke's two sides share: the operator's (dlcluster/smoke/) and the job's
 (ray/smoke_checks.py, which runs on the cluster with the checkout as its working dir and imports
-this from there). The standard library only."""
+this from there). In the harness, which both sides may import (the cluster's side never imports
+the operator's package). The standard library only."""
 
 from __future__ import annotations
 
