@@ -140,7 +140,7 @@ test-gpu: setup ## the GPU tier (tests/gpu): the jobs on CUDA, NCCL, Horovod's N
 stage-gpu: setup ## stage what a bare offline GPU machine lacks for the GPU tier into .gpu-stage (< 60 MiB; run there: scripts/gpu_tier.sh)
 	@scripts/stage_gpu.sh
 
-lint: setup ## ruff, mypy, shellcheck, yamllint and ansible-lint (production profile)
+lint: setup ## ruff, mypy, shellcheck, yamllint, the roles' variable descriptions and ansible-lint (production profile)
 	@scripts/lint.sh
 
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the four trainers, ProxyJump

@@ -44,6 +44,7 @@ else
   cases+=('<testcase classname="lint" name="shellcheck"><skipped message="shellcheck not installed (apt-get install shellcheck)"/></testcase>')
 fi
 step yamllint bash -c "cd ansible && ../.venv-ansible/bin/yamllint -s ."
+step role-docs .venv/bin/python scripts/role_docs.py --check  # spec descriptions = defaults' comments
 step ansible-lint ansible_lint
 
 if [ -n "${LINT_JUNIT:-}" ]; then

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # tier -> (make target, what it is)
 TIERS = {
-    "lint": ("lint", "ruff, mypy, shellcheck, yamllint, ansible-lint"),
+    "lint": ("lint", "ruff, mypy, shellcheck, yamllint, role docs, ansible-lint"),
     "unit": ("test-unit", "tests/unit: no cluster"),
     "cluster": ("test-cluster", "tests/cluster: a throwaway local 2-node Ray cluster"),
     "image": ("test-image", "tests/container: the CPU image built and tested inside"),

@@ -46,6 +46,15 @@ def test_every_role_declares_each_variable_its_defaults_set(role):
             assert option.get("elements") in TYPES, (role, name)
 
 
+def test_each_variable_is_described_once_in_its_defaults():
+    """A variable's description is the comment above it in its role's defaults/main.yml (where
+    kubespray-style readers look); its spec's description (what ansible-doc and Ansible's own check
+    read) is generated from it by scripts/role_docs.py, so a hand edit of either side alone fails."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/role_docs.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 # a role's variables start with its name, except where operators' inventories already used a prefix
 # the role's new name no longer carries (ansible/.ansible-lint: the rule this replaces)
 PREFIX = {"cluster_defaults": "dlc_", "node_image": "docker_", "control_host": "control_"}
