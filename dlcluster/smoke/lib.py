@@ -51,8 +51,8 @@ def log(message: str) -> None:
 
 
 # ------------------------------------------------------------------ the cluster record
-def check_token(desc: dict, path: Path) -> None:
-    token = Path(desc["token_path"])
+def check_token(rec: record.ClusterRecord, path: Path) -> None:
+    token = Path(rec.token_path)
     if not token.is_file():
         raise UserError(f"the Ray token {token} (token_path in {path}) does not exist; run make "
                         f"cluster-up first, or fix token_path")
@@ -72,7 +72,7 @@ def check_job_api(url: str, timeout: float = 5) -> None:
 
 
 # ------------------------------------------------------------------ node matching
-def match_nodes(expected: list[dict], actual: list[dict]) -> list[str]:
+def match_nodes(expected: list[record.Node], actual: list[dict]) -> list[str]:
     """Problems between the cluster record's nodes and Ray's alive ones (empty: they match).
 
     `actual` items: {"ip", "cpus", "gpus", "head": bool, ...}. The record's nodes with an ip are
@@ -85,21 +85,21 @@ def match_nodes(expected: list[dict], actual: list[dict]) -> list[str]:
     rest = list(actual)
     by_resources = []
     for e in expected:
-        if e.get("ip") is None:
+        if e.ip is None:
             by_resources.append(e)
             continue
-        found = next((a for a in rest if a.get("ip") == e["ip"]), None)
+        found = next((a for a in rest if a.get("ip") == e.ip), None)
         if found is None:
-            problems.append(f"node {e['name']} ({e['ip']}) has not joined")
+            problems.append(f"node {e.name} ({e.ip}) has not joined")
             continue
         rest.remove(found)
-        if (found["cpus"], found["gpus"]) != (e["cpus"], e["gpus"]):
-            problems.append(f"node {e['name']} ({e['ip']}) offers {found['cpus']} CPU(s) and "
-                            f"{found['gpus']} GPU(s), the cluster record says {e['cpus']} and {e['gpus']}")
-        if found.get("head") != (e["role"] == "head"):
-            problems.append(f"node {e['name']} ({e['ip']}) is {'the' if found.get('head') else 'not the'} "
-                            f"Ray head, the cluster record says {e['role']}")
-    want = Counter((e["cpus"], e["gpus"]) for e in by_resources)
+        if (found["cpus"], found["gpus"]) != (e.cpus, e.gpus):
+            problems.append(f"node {e.name} ({e.ip}) offers {found['cpus']} CPU(s) and "
+                            f"{found['gpus']} GPU(s), the cluster record says {e.cpus} and {e.gpus}")
+        if found.get("head") != (e.role == "head"):
+            problems.append(f"node {e.name} ({e.ip}) is {'the' if found.get('head') else 'not the'} "
+                            f"Ray head, the cluster record says {e.role}")
+    want = Counter((e.cpus, e.gpus) for e in by_resources)
     have = Counter((a["cpus"], a["gpus"]) for a in rest)
     for (cpus, gpus), k in sorted((want - have).items()):
         problems.append(f"{k} node(s) with {cpus} CPU(s) and {gpus} GPU(s) in the cluster record but "
@@ -114,7 +114,7 @@ def match_nodes(expected: list[dict], actual: list[dict]) -> list[str]:
     return problems
 
 
-def node_problems(payload: dict, expected: list[dict]) -> list[str]:
+def node_problems(payload: dict, expected: list[record.Node]) -> list[str]:
     """match_nodes, plus every node's dashboard agent and pinned task."""
     nodes = payload["nodes"]
     problems = match_nodes(expected, nodes)
@@ -150,23 +150,23 @@ def trainer_args(job: str, workers: int, use_gpu: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------ perf
-def perf_skip_reason(desc: dict, recording: bool) -> str | None:
+def perf_skip_reason(rec: record.ClusterRecord, recording: bool) -> str | None:
     """Why the perf step cannot compare (or record) on this cluster, or None."""
-    if desc["kind"] != "ansible" or not desc.get("ssh_config"):
-        return (f"cluster {desc['name']} is a local one: its nodes share this machine, a per-node "
+    if rec.kind != "ansible" or not rec.ssh_config:
+        return (f"cluster {rec.name} is a local one: its nodes share this machine, a per-node "
                 "baseline means nothing there (make baseline is for servers from an inventory)")
-    if not recording and baseline.latest(desc["name"]) is None:
-        return (f"no performance baseline for cluster {desc['name']} yet "
-                f"({baseline.folder(desc['name'])}): make baseline, with no job running")
+    if not recording and baseline.latest(rec.name) is None:
+        return (f"no performance baseline for cluster {rec.name} yet "
+                f"({baseline.folder(rec.name)}): make baseline, with no job running")
     return None
 
 
 # ------------------------------------------------------------------ proxyjump
-def proxyjump_skip_reason(desc: dict) -> str | None:
-    if not desc.get("ssh_config") or not desc.get("bastion"):
-        return (f"the cluster record has no ssh_config and bastion (kind {desc.get('kind')}): "
+def proxyjump_skip_reason(rec: record.ClusterRecord) -> str | None:
+    if not rec.ssh_config or not rec.bastion:
+        return (f"the cluster record has no ssh_config and bastion (kind {rec.kind}): "
                 f"no node sits behind a bastion")
-    if not any(n.get("ip") for n in desc["nodes"]):
+    if not any(n.ip for n in rec.nodes):
         return "no node in the cluster record has an ip to try directly"
     return None
 
@@ -206,11 +206,13 @@ def ssh_route(ssh_config: str, host: str, bastion: str, ssh: str = "ssh") -> tup
     return False, info
 
 
-def check_node_proxyjump(node: dict, ssh_config: str, bastion: str, *, port: int = 22,
+def check_node_proxyjump(node: record.Node, ssh_config: str, bastion: str, *, port: int = 22,
                          ssh: str = "ssh", tcp_timeout: float = 3.0, ssh_timeout: float = 60) -> dict:
-    """One node: a direct connection to ip:port must fail, ssh_config must route the node
-    through the bastion, and `ssh -F ssh_config NAME hostname` must succeed."""
-    name, ip = node["name"], node["ip"]
+    """One node with an ip: a direct connection to ip:port must fail, ssh_config must route the
+    node through the bastion, and `ssh -F ssh_config NAME hostname` must succeed."""
+    name, ip = node.name, node.ip
+    if ip is None:  # the step checks only the nodes with an ip (the others are its not_checked)
+        raise ValueError(f"node {name} has no ip to try directly")
     problems = []
     connected, how = direct_tcp(ip, port, tcp_timeout)
     if connected:
@@ -402,7 +404,7 @@ class Context:
     """What every step reads: the cluster record, the command line, the job client, and the
     running step's deadline (set by the suite's `ctx` fixture from TIMEOUTS)."""
 
-    desc: dict
+    rec: record.ClusterRecord
     args: argparse.Namespace
     jobs: Jobs | None
     deadline: float = 0.0
@@ -417,10 +419,10 @@ class Context:
         return self.jobs
 
     @property
-    def worker_nodes(self) -> list[dict]:
+    def worker_nodes(self) -> list[record.Node]:
         """The nodes that take one training worker each: all with a CPU (a head started with
         --num-cpus 0 schedules nothing and is left out)."""
-        return [n for n in self.desc["nodes"] if n["cpus"] >= 1]
+        return [n for n in self.rec.nodes if n.cpus >= 1]
 
     @property
     def workers(self) -> int:
@@ -428,12 +430,12 @@ class Context:
 
     @property
     def left_out(self) -> list[str]:
-        return [n["name"] for n in self.desc["nodes"] if n["cpus"] < 1]
+        return [n.name for n in self.rec.nodes if n.cpus < 1]
 
     @property
     def use_gpu(self) -> bool:
         """GPUs (NCCL) when every worker node has one, else CPUs (gloo)."""
-        return bool(self.worker_nodes) and all(n["gpus"] > 0 for n in self.worker_nodes)
+        return bool(self.worker_nodes) and all(n.gpus > 0 for n in self.worker_nodes)
 
     @property
     def trainers_at_once(self) -> int:
@@ -441,17 +443,13 @@ class Context:
         node (a CPU each, or a GPU each when training on GPUs), so as many as the smallest node holds."""
         if not self.worker_nodes:
             return 1
-        per_node = min(int(n["gpus"] if self.use_gpu else n["cpus"]) for n in self.worker_nodes)
+        per_node = min(n.gpus if self.use_gpu else n.cpus for n in self.worker_nodes)
         return max(1, min(len(self.trainers), per_node))
 
     @property
     def trainers(self) -> list[str]:
         """The trainers this run trains (--trainers: all of TRAINERS by default)."""
         return self.args.trainers
-
-    @property
-    def rec(self) -> record.ClusterRecord:
-        return record.ClusterRecord.model_validate(self.desc)
 
     def need_workers(self) -> None:
         if not self.worker_nodes:

@@ -20,20 +20,21 @@ from pathlib import Path
 
 import pytest
 
+from dlcluster import record
 from dlcluster.smoke.lib import log
 from trainkit.smoke_protocol import MIB
 
 
 class SmokeReport:
-    """pytest.main(..., plugins=[SmokeReport(...)]): `desc` the cluster record (a dict), `config`
+    """pytest.main(..., plugins=[SmokeReport(...)]): `rec` the cluster record, `config`
     its path, `path` where the JSON report goes, `steps` the ones to run (None: all collected),
     `limits` each step's time limit in seconds (pytest-timeout stops it `hard_after` later),
     `started` and `t0` (time.monotonic) when the run began (default: now)."""
 
-    def __init__(self, desc: dict, config: Path, path: Path, steps: Iterable[str] | None = None,
-                 limits: dict[str, float] | None = None, hard_after: float = 0,
-                 started: dt.datetime | None = None, t0: float | None = None):
-        self.desc, self.config, self.path = desc, config, path
+    def __init__(self, rec: record.ClusterRecord, config: Path, path: Path,
+                 steps: Iterable[str] | None = None, limits: dict[str, float] | None = None,
+                 hard_after: float = 0, started: dt.datetime | None = None, t0: float | None = None):
+        self.rec, self.config, self.path = rec, config, path
         self.steps = list(steps) if steps is not None else None
         self.limits, self.hard_after = dict(limits or {}), hard_after
         self.results: list[dict] = []
@@ -116,7 +117,7 @@ class SmokeReport:
         self.interrupted = not excinfo.errisinstance(pytest.Session.Interrupted)
 
     def pytest_sessionfinish(self) -> None:
-        self.report = build_report(self.desc, self.config, self.results, self.started,
+        self.report = build_report(self.rec, self.config, self.results, self.started,
                                    time.monotonic() - self.t0)
         if self.broken:
             self.report.update(ok=False, error=f"the suite did not load: {', '.join(self.broken)}")
@@ -197,14 +198,14 @@ def allreduce_table(details: dict) -> list[str]:
     return lines
 
 
-def build_report(desc: dict, config: Path, steps: list[dict], started: dt.datetime,
+def build_report(rec: record.ClusterRecord, config: Path, steps: list[dict], started: dt.datetime,
                  seconds: float) -> dict:
     """The JSON report. Its "description" key (the cluster record's path) keeps its old name:
     readers of earlier reports look it up."""
     ran = [s for s in steps if not s["skipped"]]
     return {
-        "cluster": desc["name"], "kind": desc["kind"], "description": str(config),
-        "job_api": desc["job_api"], "nodes": len(desc["nodes"]),
+        "cluster": rec.name, "kind": rec.kind, "description": str(config),
+        "job_api": rec.job_api, "nodes": len(rec.nodes),
         "started": started.isoformat(timespec="seconds"),
         "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "seconds": round(seconds, 1),

@@ -82,9 +82,9 @@ PYTEST_ARGS = ["-qq", "--no-header", "--no-summary", "-s", "-p", "no:cacheprovid
                "-c", os.devnull, "--rootdir", str(SUITE)]
 
 
-def load_record(path: Path) -> dict:
-    """The cluster record (dlcluster/record.py) as a dict; a bad one is a one-line UserError."""
-    return record.load(path).model_dump()
+def load_record(path: Path) -> record.ClusterRecord:
+    """The cluster record (dlcluster/record.py); a missing or bad one is a one-line UserError."""
+    return record.load(path)
 
 
 def sizes_bytes(args: argparse.Namespace) -> list[int]:
@@ -168,10 +168,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def report_path(a: argparse.Namespace, desc: dict, started: dt.datetime) -> Path:
+def report_path(a: argparse.Namespace, rec: record.ClusterRecord, started: dt.datetime) -> Path:
     if a.json:
         return Path(a.json).expanduser()
-    return (record.config_dir() / "smoke" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', desc['name'])}-"
+    return (record.config_dir() / "smoke" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', rec.name)}-"
                                             f"{started.strftime('%Y%m%dT%H%M%SZ')}.json")
 
 
@@ -203,28 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     for var in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):  # an outer pytest's (the test tiers') settings
         os.environ.pop(var, None)
     config = Path(a.config).expanduser() if a.config else record.config_dir() / "cluster.json"
-    desc = load_record(config)
-    check_token(desc, config)
-    unknown = sorted(set(a.nodes or []) - {n["name"] for n in desc["nodes"]})
+    rec = load_record(config)
+    check_token(rec, config)
+    unknown = sorted(set(a.nodes or []) - {n.name for n in rec.nodes})
     if unknown:
-        raise UserError(f"--nodes: no node {', '.join(unknown)} in cluster {desc['name']}; its nodes: "
-                        f"{', '.join(n['name'] for n in desc['nodes'])}")
-    os.environ.update(record.load(config).client_env())
+        raise UserError(f"--nodes: no node {', '.join(unknown)} in cluster {rec.name}; its nodes: "
+                        f"{', '.join(n.name for n in rec.nodes)}")
+    os.environ.update(rec.client_env())
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dlc-smoke-") as tmp:
         jobs = None
         if any(s != "proxyjump" for s in a.steps):
-            check_job_api(desc["job_api"])
-            jobs = Jobs(desc["job_api"], snapshot(REPO, Path(tmp) / "dlcluster"))
+            check_job_api(rec.job_api)
+            jobs = Jobs(rec.job_api, snapshot(REPO, Path(tmp) / "dlcluster"))
             if a.record_baseline:
                 refuse_busy(jobs)
-        log(f"cluster {desc['name']} ({desc['kind']}, {len(desc['nodes'])} node(s)) at "
-            f"{desc['job_api']}; steps: {', '.join(s for s in STEPS if s in a.steps)}")
-        a.report = report_path(a, desc, started)
-        plugin = SmokeReport(desc, config, a.report, steps=a.steps,
+        log(f"cluster {rec.name} ({rec.kind}, {len(rec.nodes)} node(s)) at "
+            f"{rec.job_api}; steps: {', '.join(s for s in STEPS if s in a.steps)}")
+        a.report = report_path(a, rec, started)
+        plugin = SmokeReport(rec, config, a.report, steps=a.steps,
                              limits={k: v * a.timeout_factor for k, v in TIMEOUTS.items()},
                              hard_after=HARD_STOP_AFTER, started=started, t0=t0)
-        code = run_suite(Context(desc, a, jobs), plugin)
+        code = run_suite(Context(rec, a, jobs), plugin)
     if plugin.interrupted:
         raise KeyboardInterrupt
     if plugin.report is None:

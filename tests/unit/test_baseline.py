@@ -187,14 +187,17 @@ def test_baselines_are_kept_and_the_newest_is_the_reference(tmp_path, monkeypatc
 
 def test_the_perf_step_skips_a_local_cluster_or_one_without_a_baseline(tmp_path, monkeypatch):
     monkeypatch.setenv("DLC_CONFIG", str(tmp_path))
-    assert "is a local one" in lib.perf_skip_reason({"name": "local", "kind": "local"}, True)
-    desc = {**rec().model_dump(), "name": "emulated"}
-    assert lib.perf_skip_reason(desc, True) is None
-    assert lib.perf_skip_reason(desc, False) == (
+    local = record.ClusterRecord(name="local", kind="local", job_api="http://127.0.0.1:8265",
+                                 token_path=str(tmp_path / "ray_token"),
+                                 nodes=[record.Node(name="head", ip=None, role="head", cpus=1, gpus=0)])
+    assert "is a local one" in lib.perf_skip_reason(local, True)
+    emulated = rec().model_copy(update={"name": "emulated"})
+    assert lib.perf_skip_reason(emulated, True) is None
+    assert lib.perf_skip_reason(emulated, False) == (
         f"no performance baseline for cluster emulated yet ({tmp_path}/clusters/emulated/baselines): make "
         "baseline, with no job running")
     baseline.save(perf())
-    assert lib.perf_skip_reason(desc, False) is None
+    assert lib.perf_skip_reason(emulated, False) is None
 
 
 def test_table_and_plot(tmp_path):

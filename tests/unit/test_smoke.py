@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dlcluster import local_cluster
+from dlcluster import local_cluster, record
 from dlcluster.smoke import lib
 from dlcluster.smoke import report as smoke_report
 from dlcluster.smoke import run as smoke
@@ -28,15 +28,19 @@ sys.path.insert(0, str(REPO / "ray"))
 import smoke_checks  # noqa: E402
 
 
-def local_desc(nodes=2, cpus=1, **changes) -> dict:
+def local_rec(nodes=2, cpus=1, **changes) -> record.ClusterRecord:
     st = {"dashboard": "http://127.0.0.1:8265", "nodes": nodes, "cpus_per_node": cpus}
-    return {**local_cluster.the_record(st).model_dump(), **changes}
+    return record.ClusterRecord.model_validate({**local_cluster.the_record(st).model_dump(), **changes})
 
 
-def remote_desc(**changes) -> dict:
+def remote_rec(**changes) -> record.ClusterRecord:
     from test_record import remote
 
-    return {**remote(), **changes}
+    return record.ClusterRecord.model_validate(remote(**changes))
+
+
+def a_node(name: str, ip: str | None = "127.0.0.1") -> record.Node:
+    return record.Node(name=name, ip=ip, role="worker", cpus=1, gpus=0)
 
 
 # ------------------------------------------------------------------ all-reduce arithmetic
@@ -113,23 +117,26 @@ def test_flags_and_their_defaults():
 
 def test_reading_the_record(tmp_path):
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(local_desc()))
-    d = smoke.load_record(path)
-    assert (d["name"], d["kind"], len(d["nodes"]), d["job_api"]) == ("local", "local", 2, "http://127.0.0.1:8265")
+    with pytest.raises(UserError, match=f"no cluster record at {re.escape(str(path))}: no cluster is up"):
+        smoke.load_record(path)
+    path.write_text(local_rec().model_dump_json())
+    r = smoke.load_record(path)
+    assert isinstance(r, record.ClusterRecord) and r == local_rec()
+    assert (r.name, r.kind, len(r.nodes), r.job_api) == ("local", "local", 2, "http://127.0.0.1:8265")
     path.write_text("{")
     with pytest.raises(UserError, match="cannot read the cluster record"):
         smoke.load_record(path)
-    path.write_text(json.dumps({**local_desc(), "nodes": "two"}))
+    path.write_text(json.dumps({**local_rec().model_dump(), "nodes": "two"}))
     with pytest.raises(UserError, match="bad cluster record"):
         smoke.load_record(path)
 
 
 def test_token_must_exist(tmp_path):
-    d = local_desc(token_path=str(tmp_path / "ray_token"))
+    r = local_rec(token_path=str(tmp_path / "ray_token"))
     with pytest.raises(UserError, match="does not exist; run make cluster-up first"):
-        lib.check_token(d, tmp_path / "cluster.json")
+        lib.check_token(r, tmp_path / "cluster.json")
     (tmp_path / "ray_token").write_text("x")
-    lib.check_token(d, tmp_path / "cluster.json")
+    lib.check_token(r, tmp_path / "cluster.json")
 
 
 def test_local_cluster_record_lifecycle(tmp_path, monkeypatch):
@@ -144,7 +151,7 @@ def test_local_cluster_record_lifecycle(tmp_path, monkeypatch):
     assert (tmp_path / "cluster.json").exists()
     local_cluster.forget(st)
     assert not (tmp_path / "cluster.json").exists() and not (tmp_path / "ray-client.env").exists()
-    (tmp_path / "cluster.json").write_text(json.dumps(remote_desc(job_api=st["dashboard"])))
+    (tmp_path / "cluster.json").write_text(remote_rec(job_api=st["dashboard"]).model_dump_json())
     local_cluster.forget(st)  # an Ansible cluster's record stays
     assert (tmp_path / "cluster.json").exists()
 
@@ -157,23 +164,23 @@ def ray_node(cpus, gpus, ip="192.0.2.2", head=False, **more):
 
 def test_local_nodes_match_as_multisets():
     actual = [ray_node(1, 0, head=True), ray_node(1, 0)]
-    assert lib.match_nodes(local_desc()["nodes"], actual) == []
+    assert lib.match_nodes(local_rec().nodes, actual) == []
 
 
 def test_three_described_two_alive():
-    problems = lib.match_nodes(local_desc(nodes=3)["nodes"], [ray_node(1, 0, head=True), ray_node(1, 0)])
+    problems = lib.match_nodes(local_rec(nodes=3).nodes, [ray_node(1, 0, head=True), ray_node(1, 0)])
     assert problems == ["2 Ray node(s) alive, the cluster record lists 3",
                         "1 node(s) with 1 CPU(s) and 0 GPU(s) in the cluster record but not found"]
 
 
 def test_resources_differ_without_ips():
-    problems = lib.match_nodes(local_desc()["nodes"], [ray_node(1, 0, head=True), ray_node(2, 0)])
+    problems = lib.match_nodes(local_rec().nodes, [ray_node(1, 0, head=True), ray_node(2, 0)])
     assert "1 node(s) with 1 CPU(s) and 0 GPU(s) in the cluster record but not found" in problems
     assert "1 Ray node(s) with 2 CPU(s) and 0 GPU(s) not in the cluster record (at 192.0.2.2)" in problems
 
 
 def test_nodes_matched_by_ip():
-    expected = remote_desc()["nodes"]
+    expected = remote_rec().nodes
     actual = [ray_node(8, 1, "172.31.251.11", head=True), ray_node(8, 1, "172.31.251.12"),
               ray_node(16, 2, "172.31.251.13")]
     assert lib.match_nodes(expected, actual) == []
@@ -187,7 +194,7 @@ def test_nodes_matched_by_ip():
 
 
 def test_head_must_be_the_described_one():
-    expected = remote_desc()["nodes"]
+    expected = remote_rec().nodes
     actual = [ray_node(8, 1, "172.31.251.11"), ray_node(8, 1, "172.31.251.12", head=True),
               ray_node(16, 2, "172.31.251.13")]
     problems = lib.match_nodes(expected, actual)
@@ -197,11 +204,11 @@ def test_head_must_be_the_described_one():
 
 def test_agents_and_pinned_tasks():
     nodes = [ray_node(1, 0, head=True), ray_node(1, 0, agent=False, task=None)]
-    problems = lib.node_problems({"nodes": nodes, "probe_timeout_s": 60}, local_desc()["nodes"])
+    problems = lib.node_problems({"nodes": nodes, "probe_timeout_s": 60}, local_rec().nodes)
     assert any("dashboard agent has not registered" in p for p in problems)
     assert any("did not finish within 60 s" in p for p in problems)
     nodes[1].update(agent=True, task={"error": "RuntimeError: boom"})
-    problems = lib.node_problems({"nodes": nodes}, local_desc()["nodes"])
+    problems = lib.node_problems({"nodes": nodes}, local_rec().nodes)
     assert problems[0].endswith("a task pinned to it failed: RuntimeError: boom")
 
 
@@ -266,7 +273,7 @@ def test_report_and_summary():
     ]
     import datetime as dt
 
-    report = smoke_report.build_report(local_desc(), Path("/c/cluster.json"), steps,
+    report = smoke_report.build_report(local_rec(), Path("/c/cluster.json"), steps,
                                 dt.datetime(2026, 1, 1, tzinfo=dt.UTC), 115.04)
     assert (report["ok"], report["passed"], report["failed"], report["skipped"]) == (False, 2, 1, 1)
     assert report["cluster"] == "local" and report["seconds"] == 115.0 and report["nodes"] == 2
@@ -282,18 +289,17 @@ def test_report_and_summary():
     assert [float(v) for v in table[1].split()[5:8]] == pytest.approx([1.0, 1.0, 0])  # algbw busbw #wrong
     assert lines[-1] == "smoke: FAIL: 2 passed, 1 failed, 1 skipped in 115 s; report /c/smoke/local.json"
     steps[2] = {**steps[2], "ok": False, "skipped": True}
-    assert smoke_report.build_report(local_desc(), Path("x"), steps, dt.datetime.now(dt.UTC), 1)["ok"]
+    assert smoke_report.build_report(local_rec(), Path("x"), steps, dt.datetime.now(dt.UTC), 1)["ok"]
 
 
 # ------------------------------------------------------------------ proxyjump
 def test_proxyjump_skipped_without_bastion():
     assert "the cluster record has no ssh_config and bastion (kind local)" in \
-        lib.proxyjump_skip_reason(local_desc())
-    d = remote_desc()
-    assert lib.proxyjump_skip_reason(d) is None
-    for n in d["nodes"]:
-        n["ip"] = None
-    assert "no node in the cluster record has an ip" in lib.proxyjump_skip_reason(d)
+        lib.proxyjump_skip_reason(local_rec())
+    r = remote_rec()
+    assert lib.proxyjump_skip_reason(r) is None
+    no_ips = remote_rec(nodes=[n.model_copy(update={"ip": None}) for n in r.nodes])
+    assert "no node in the cluster record has an ip" in lib.proxyjump_skip_reason(no_ips)
 
 
 @pytest.fixture
@@ -358,7 +364,7 @@ def fake_ssh(tmp_path):
 @needs_ssh
 def test_node_behind_the_bastion_passes(ssh_config, fake_ssh, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
-    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+    r = lib.check_node_proxyjump(a_node("node-1"), ssh_config, "bastion",
                                  port=closed_port(), ssh=fake_ssh)
     assert r["ok"], r["problems"]
     assert not r["direct"]["connected"] and r["ssh"] == {"ok": True, "output": "node-1"}
@@ -367,7 +373,7 @@ def test_node_behind_the_bastion_passes(ssh_config, fake_ssh, monkeypatch):
 @needs_ssh
 def test_node_reachable_directly_fails(ssh_config, fake_ssh, listener, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_NAME", "node-1")
-    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+    r = lib.check_node_proxyjump(a_node("node-1"), ssh_config, "bastion",
                                  port=listener, ssh=fake_ssh)
     assert not r["ok"]
     assert r["problems"] == [f"127.0.0.1:{listener} accepts a direct connection from here: the bastion "
@@ -377,7 +383,7 @@ def test_node_reachable_directly_fails(ssh_config, fake_ssh, listener, monkeypat
 @needs_ssh
 def test_ssh_through_the_bastion_must_work(ssh_config, fake_ssh, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_RC", "255")
-    r = lib.check_node_proxyjump({"name": "node-1", "ip": "127.0.0.1"}, ssh_config, "bastion",
+    r = lib.check_node_proxyjump(a_node("node-1"), ssh_config, "bastion",
                                  port=closed_port(), ssh=fake_ssh)
     assert not r["ok"] and len(r["problems"]) == 1
     assert "-o BatchMode=yes -o ConnectTimeout=15 node-1 hostname` failed" in r["problems"][0]
@@ -386,10 +392,10 @@ def test_ssh_through_the_bastion_must_work(ssh_config, fake_ssh, monkeypatch):
 @needs_ssh
 def test_node_not_routed_through_the_bastion_fails(ssh_config, fake_ssh):
     # The configs' 172.31.x addresses are only read (ssh -G); every connection goes to loopback.
-    r = lib.check_node_proxyjump({"name": "node-4", "ip": "127.0.0.1"}, ssh_config, "bastion",
+    r = lib.check_node_proxyjump(a_node("node-4"), ssh_config, "bastion",
                                  port=closed_port(), ssh=fake_ssh)
     assert any("does not send node-4 through bastion" in p for p in r["problems"])
-    r = lib.check_node_proxyjump({"name": "node-2", "ip": "127.0.0.1"}, ssh_config, "bastion",
+    r = lib.check_node_proxyjump(a_node("node-2"), ssh_config, "bastion",
                                  port=closed_port(), ssh=fake_ssh)
     assert "sends node-2 to 172.31.251.12, the cluster record says 127.0.0.1" in " ".join(r["problems"])
 
@@ -432,8 +438,8 @@ def test_a_bad_record_or_token_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and nothing_ran(proc, tmp_path)
     assert proc.stderr.startswith(f"smoke: error: cannot read the cluster record {tmp_path / 'cluster.json'}")
     assert len(proc.stderr.strip().splitlines()) == 1
-    d = local_desc(token_path=str(tmp_path / "ray_token"))
-    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    r = local_rec(token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(r.model_dump_json())
     proc = run_smoke(tmp_path)
     assert proc.returncode == 2 and nothing_ran(proc, tmp_path)
     assert proc.stderr.strip() == (f"smoke: error: the Ray token {tmp_path / 'ray_token'} (token_path in "
@@ -443,19 +449,19 @@ def test_a_bad_record_or_token_is_one_line_and_exit_2(tmp_path):
 
 def test_no_job_api_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "ray_token").write_text("t")
-    d = local_desc(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
-    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    r = local_rec(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(r.model_dump_json())
     proc = run_smoke(tmp_path, "--only", "nodes")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert f"nothing answers on the job API {d['job_api']}" in proc.stderr
+    assert f"nothing answers on the job API {r.job_api}" in proc.stderr
     assert "run make cluster-up first" in proc.stderr
     assert nothing_ran(proc, tmp_path)
 
 
 def test_proxyjump_alone_needs_no_job_api_and_reports(tmp_path):
     (tmp_path / "ray_token").write_text("t")
-    d = local_desc(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
-    (tmp_path / "cluster.json").write_text(json.dumps(d))
+    r = local_rec(job_api=f"http://127.0.0.1:{closed_port()}", token_path=str(tmp_path / "ray_token"))
+    (tmp_path / "cluster.json").write_text(r.model_dump_json())
     proc = run_smoke(tmp_path, "--only", "proxyjump")
     assert proc.returncode == 0, proc.stderr
     reports = list((tmp_path / "smoke").glob("local-*.json"))
@@ -469,35 +475,35 @@ def test_proxyjump_alone_needs_no_job_api_and_reports(tmp_path):
 
 
 def test_a_head_without_cpus_takes_no_worker():
-    d = remote_desc()
-    d["nodes"][0]["cpus"] = 0
-    ctx = lib.Context(d, args(), None)
+    r = remote_rec()
+    r.nodes[0].cpus = 0
+    ctx = lib.Context(r, args(), None)
     assert (ctx.workers, ctx.left_out, ctx.use_gpu) == (2, ["node-1"], True)
-    d["nodes"][2]["gpus"] = 0
+    r.nodes[2].gpus = 0
     assert not ctx.use_gpu  # NCCL only when every worker node has a GPU
-    for n in d["nodes"]:
-        n["cpus"] = 0
+    for n in r.nodes:
+        n.cpus = 0
     with pytest.raises(pytest.fail.Exception, match="no node in the cluster record offers a CPU"):
         ctx.need_workers()
 
 
 def test_the_trainers_run_together_as_far_as_the_smallest_node_holds_one_worker_of_each():
-    d = remote_desc()
-    ctx = lib.Context(d, args(), None)
-    for n in d["nodes"]:  # GPU nodes: a GPU per worker, whatever the CPUs
-        n.update(cpus=16, gpus=8)
+    r = remote_rec()
+    ctx = lib.Context(r, args(), None)
+    for n in r.nodes:  # GPU nodes: a GPU per worker, whatever the CPUs
+        n.cpus, n.gpus = 16, 8
     assert ctx.use_gpu and ctx.trainers_at_once == len(lib.TRAINERS)  # all four at once
-    d["nodes"][1]["gpus"] = 1
+    r.nodes[1].gpus = 1
     assert ctx.trainers_at_once == 1  # one after the other: a node has room for one worker
-    for n in d["nodes"]:  # CPU nodes (the emulated cluster's: 2 CPUs each): two at once
-        n.update(cpus=2, gpus=0)
+    for n in r.nodes:  # CPU nodes (the emulated cluster's: 2 CPUs each): two at once
+        n.cpus, n.gpus = 2, 0
     assert not ctx.use_gpu and ctx.trainers_at_once == 2
-    d["nodes"][0]["cpus"] = 0  # a head that takes no worker does not count
+    r.nodes[0].cpus = 0  # a head that takes no worker does not count
     assert ctx.trainers_at_once == 2
-    two = lib.Context(d, args("--trainers", "tf_cnn,horovod_mnist"), None)
+    two = lib.Context(r, args("--trainers", "tf_cnn,horovod_mnist"), None)
     assert two.trainers == ["horovod_mnist", "tf_cnn"] and two.trainers_at_once == 2  # one round
-    for n in d["nodes"]:
-        n["cpus"] = 3
+    for n in r.nodes:
+        n.cpus = 3
     assert ctx.trainers_at_once == 3 and two.trainers_at_once == 2
 
 
@@ -564,9 +570,9 @@ def fake_run(tmp_path, capsys, steps=None, suite=FAKE_SUITE, name="test_fake_ste
     """dlcluster/smoke/run.py's run_suite on a fake suite: (pytest's exit code, the plugin, stdout lines)."""
     path = tmp_path / f"{name}.py"
     path.write_text(suite)
-    plugin = smoke_report.SmokeReport(local_desc(), Path("/c/cluster.json"), tmp_path / "out" / "report.json",
+    plugin = smoke_report.SmokeReport(local_rec(), Path("/c/cluster.json"), tmp_path / "out" / "report.json",
                                 steps=steps, limits={"nodes": 10, "allreduce": 20}, hard_after=5)
-    code = smoke.run_suite(lib.Context(local_desc(), args(), None), plugin, suite=path)
+    code = smoke.run_suite(lib.Context(local_rec(), args(), None), plugin, suite=path)
     return code, plugin, capsys.readouterr().out.splitlines()
 
 
@@ -640,9 +646,9 @@ def test_pytest_timeout_stops_a_step_past_its_limit(tmp_path, capsys):
     suite = "import time\n\n\ndef test_nodes(details):\n    details['waited'] = True\n    time.sleep(30)\n"
     path = tmp_path / "test_fake_slow.py"
     path.write_text(suite)
-    plugin = smoke_report.SmokeReport(local_desc(), Path("/c/cluster.json"), tmp_path / "report.json",
+    plugin = smoke_report.SmokeReport(local_rec(), Path("/c/cluster.json"), tmp_path / "report.json",
                                       limits={"nodes": 0.5}, hard_after=0.5)
-    smoke.run_suite(lib.Context(local_desc(), args(), None), plugin, suite=path)
+    smoke.run_suite(lib.Context(local_rec(), args(), None), plugin, suite=path)
     [step] = plugin.results
     assert not step["ok"] and step["seconds"] < 10
     assert step["details"]["waited"] and "Timeout (>1.0s) from pytest-timeout" in step["details"]["error"]

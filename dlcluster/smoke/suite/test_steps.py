@@ -32,7 +32,7 @@ def test_nodes(ctx: Context, details: dict):
     registered, and a task pinned to it runs."""
     payload, run = job_payload(ctx, details, "nodes", ["python", "ray/smoke_checks.py", "nodes"],
                                "the nodes job")
-    expected = ctx.desc["nodes"]
+    expected = ctx.rec.nodes
     problems = node_problems(payload, expected)
     nodes = payload["nodes"]
     details.update({
@@ -85,7 +85,7 @@ def test_perf(ctx: Context, details: dict):
     bastion), the allreduce step's bus bandwidth against the link peak. One line per figure worse
     than its threshold; a table, and a plot beside the report."""
     a = ctx.args
-    reason = perf_skip_reason(ctx.desc, a.record_baseline)
+    reason = perf_skip_reason(ctx.rec, a.record_baseline)
     if reason:
         pytest.skip(reason)
     rec, th = ctx.rec, a.thresholds
@@ -218,17 +218,18 @@ def test_trainers(ctx: Context, details: dict):
 def test_proxyjump(ctx: Context, details: dict):
     """(Only with ssh_config and bastion) every node with an ip refuses a direct TCP connection
     to port 22 from here, and `ssh -F ssh_config NODE hostname` gets through the bastion."""
-    reason = proxyjump_skip_reason(ctx.desc)
+    reason = proxyjump_skip_reason(ctx.rec)
     if reason:
         pytest.skip(reason)
-    cfg, bastion = ctx.desc["ssh_config"], ctx.desc["bastion"]
+    cfg, bastion = ctx.rec.ssh_config, ctx.rec.bastion
+    assert cfg is not None and bastion is not None  # proxyjump_skip_reason: both set
     if not Path(cfg).is_file():
         fail(details, f"the ssh config {cfg} does not exist on this machine")
-    nodes = [n for n in ctx.desc["nodes"] if n.get("ip")]
+    nodes = [n for n in ctx.rec.nodes if n.ip]
     with ThreadPoolExecutor(max_workers=min(8, len(nodes))) as pool:
         checked = list(pool.map(lambda n: check_node_proxyjump(n, cfg, bastion), nodes))
     details.update({"bastion": bastion, "ssh_config": cfg, "nodes": checked,
-                    "not_checked": [n["name"] for n in ctx.desc["nodes"] if not n.get("ip")]})
+                    "not_checked": [n.name for n in ctx.rec.nodes if not n.ip]})
     problems = [f"{c['name']}: {p}" for c in checked for p in c["problems"]]
     if problems:
         fail(details, "; ".join(problems))
