@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainkit.errors import EXIT_USER_ERROR, UserError
+from trainkit.flags import config_dir
 
 FORMAT: Final = "dlcluster-cluster/2"
 RECORD = "cluster.json"
@@ -37,11 +38,6 @@ CLIENT_ENV = "ray-client.env"
 # default list, which also drops .git, is off: .rayignore keeps .git's refs only, no config, no
 # history, from which a job's manifest names the commit); uploads made in code list them.
 EXCLUDES = (".venv", ".venv-ansible", "venv", "__pycache__")
-
-
-def config_dir() -> Path:
-    """$DLC_CONFIG, else ~/.config/dlcluster: the one Python default (the Makefile has the shell's)."""
-    return Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser()
 
 
 class Node(BaseModel):

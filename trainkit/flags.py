@@ -30,6 +30,12 @@ def dlc_home() -> Path:
     return Path(os.environ.get("DLC_HOME", "~/dlcluster")).expanduser()
 
 
+def config_dir() -> Path:
+    """$DLC_CONFIG, else ~/.config/dlcluster: the operator's clusters and their records, the one
+    Python default (the Makefile has the shell's); the harness reads only the current record."""
+    return Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser()
+
+
 def default_storage() -> str:
     """Where runs and checkpoints go: DLC_STORAGE_PATH (set on a provisioned cluster's nodes to
     the shared storage), else $DLC_HOME/runs."""

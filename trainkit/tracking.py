@@ -98,7 +98,9 @@ def _record() -> _Current | None:
     """What the harness takes from the operator's current cluster record (a plain launcher on the
     client): read as data, `$DLC_CONFIG/cluster.json`, whose model and checks are the operator's
     (dlcluster/record.py, which wrote it); None where there is none or it is not a record."""
-    path = Path(os.environ.get("DLC_CONFIG") or "~/.config/dlcluster").expanduser() / "cluster.json"
+    from .flags import config_dir
+
+    path = config_dir() / "cluster.json"
     try:
         data = json.loads(path.read_text())
         found = _Current(data["name"], data.get("tracking_url"), data.get("tracking_auth_path"))
