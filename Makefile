@@ -1,5 +1,6 @@
 # The front door: every target is one line of help (`make help`) and one script; the operator's
-# targets call one command, `python -m dlcluster <command>` (dlcluster/cli.py; --help on each).
+# targets call one installed command, `.venv/bin/dlcluster <command>` (dlcluster/cli.py; --help on
+# each), whose flags default to the variables below (exported).
 # Variables a user may set (defaults in ?= below; README lists them all). Versions and default
 # paths are versions.env's, the one place for each.
 include versions.env
@@ -63,6 +64,7 @@ export PYTHON DLC_CACHE DLC_CONFIG NODES CPUS_PER_NODE OBJECT_STORE_MB RAY_PORT 
        INVENTORY ANSIBLE_ARGS PYTEST_ARGS UPLOAD RUN
 VENV := .venv
 PY   := $(VENV)/bin/python
+DLC  := $(VENV)/bin/dlcluster
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test leftovers check test-unit \
@@ -78,46 +80,46 @@ lock: ## after changing a pin in pyproject.toml: requirements.lock and docker/tf
 	@scripts/lock.sh
 
 cluster-up: setup ## INVENTORY set: provision its servers through the bastion, start Ray, open the tunnel; else a local cluster
-	@$(PY) -m dlcluster up
+	@$(DLC) up
 
 cluster-status: setup ## each node's Ray service and the nodes and resources the head sees
-	@$(PY) -m dlcluster status
+	@$(DLC) status
 
 token: setup ## print the current cluster's Ray token, for the dashboard's sign-in dialog (to the terminal only)
-	@$(PY) -m dlcluster token
+	@$(DLC) token
 
 grafana-password: setup ## print the current cluster's Grafana admin password, for its sign-in page (to the terminal only)
-	@$(PY) -m dlcluster grafana-password
+	@$(DLC) grafana-password
 
 tracking-password: setup ## print the run history's URL, user and password, for its sign-in (to the terminal only)
-	@$(PY) -m dlcluster tracking-password
+	@$(DLC) tracking-password
 
 runs: setup ## the last runs from the cluster's MLflow server (run, job, commit, epochs, validation, restarts, model, state); RUN=name: its metrics per epoch
-	@$(PY) -m dlcluster runs $(if $(RUN),--run $(RUN))
+	@$(DLC) runs $(if $(RUN),--run $(RUN))
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
-	@$(PY) -m dlcluster down
+	@$(DLC) down
 
 attach: setup ## INVENTORY set: use a running cluster from this machine (its token from the head, record, tunnel); changes no server
-	@$(PY) -m dlcluster attach
+	@$(DLC) attach
 
 rotate-token: setup ## INVENTORY set: a new Ray token on every node and here, Ray restarted with it (no job running)
-	@$(PY) -m dlcluster rotate-token
+	@$(DLC) rotate-token
 
 remove-node: setup ## INVENTORY set: take worker NODE out (drained, its Ray stopped, out of every list and the record; the cluster re-keyed)
-	@NODE=$(NODE) $(PY) -m dlcluster remove-node
+	@$(DLC) remove-node $(NODE)
 
 upgrade: setup ## INVENTORY set: roll a new image, environment or setting onto the running cluster, one worker at a time (drained, restarted, checked, rolled back on failure), the head last
-	@SMOKE_ARGS="$(SMOKE_ARGS)" $(PY) -m dlcluster upgrade
+	@SMOKE_ARGS="$(SMOKE_ARGS)" $(DLC) upgrade
 
 submit: setup ## submit jobs/$(JOB).py $(ARGS) to the running cluster (ray job submit), uploading only what git tracks and $(UPLOAD)
-	@$(PY) -m dlcluster submit $(JOB) $(ARGS)
+	@$(DLC) submit $(JOB) $(ARGS)
 
 resume: setup ## submit run $(RUN) again, as `make submit` first did (same job, flags, --name), to go on from its last checkpoint after its driver was lost
-	@$(PY) -m dlcluster resume "$$RUN"
+	@$(DLC) resume $(RUN)
 
 demo: cluster-up ## setup, cluster-up, then train the autoencoder and print where the ONNX model landed
-	@$(PY) -m dlcluster submit ddp_autoencoder $(ARGS)
+	@$(DLC) submit ddp_autoencoder $(ARGS)
 
 test: ## every tier in two lanes side by side (TEST_LANES: lint, unit, GPU, local cluster, image; beside the emulated tier), what they left behind, a table, then `N passed, N failed, N skipped`
 	@scripts/test.sh --reports $(DLC_CACHE)/test-reports --state $(DLC_CACHE)/test-state $(TEST_LANES)
@@ -144,26 +146,25 @@ lint: setup ## ruff, mypy, shellcheck, yamllint, the roles' variable description
 	@scripts/lint.sh
 
 smoke: setup ## multi-node smoke tests of the running cluster: nodes, all-reduce bandwidth, perf against the baseline, the four trainers, ProxyJump
-	@$(PY) -m dlcluster smoke $(SMOKE_ARGS)
+	@$(DLC) smoke $(SMOKE_ARGS)
 
 baseline: setup ## record the cluster's performance baseline (no job running): per node step time and storage, per link iperf3, all-reduce busbw
-	@$(PY) -m dlcluster baseline $(SMOKE_ARGS)
+	@$(DLC) baseline $(SMOKE_ARGS)
 
 doctor: setup ## every node of the running cluster checked at once and compared: versions, network, storage, clocks, Ray, firewall, GPUs; one line per problem (QUARANTINE=1: take bad workers out of Ray)
-	@$(PY) -m dlcluster doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
+	@$(DLC) doctor $(if $(QUARANTINE),--quarantine) $(DOCTOR_ARGS)
 
 unquarantine: setup ## put the quarantined node NODE back into Ray (its quarantine file removed, Ray started)
-	@$(if $(NODE),,echo "unquarantine: error: name the node: make unquarantine NODE=<name in the cluster record>" >&2; exit 2)
-	@$(PY) -m dlcluster unquarantine $(NODE)
+	@$(DLC) unquarantine $(NODE)
 
 bench: setup ## Ray Train vs each job's own launcher side by side (current cluster): ratios, bench.json, bench.png
-	@$(PY) -m dlcluster bench $(ARGS)
+	@$(DLC) bench $(ARGS)
 
 bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the current cluster (its record)
-	@$(PY) -m dlcluster bench-ae $(ARGS)
+	@$(DLC) bench-ae $(ARGS)
 
-clean: ## remove the .venv link (the cached environment stays in DLC_CACHE)
-	rm -f $(VENV)
+clean: ## remove the checkout's .venv (the cached environment it is made over stays in DLC_CACHE)
+	rm -rf $(VENV)
 
 # ---- container images (docker/; docs/images.md)
 # 1: the CUDA image (NCCL operations) instead of the CPU one
@@ -193,8 +194,8 @@ image: setup ## build the image: CPU here by default, GPU=1 for the CUDA one (do
 test-image: setup ## the image tier: build the CPU image (layer cache reused), test inside it; compile the GPU Horovod
 	@$(PY) -m pytest tests/container $(PYTEST_ARGS)
 
-image-report: ## the image's size per layer group and its build times, cold and warm
-	@$(PYTHON) -m dlcluster image-report
+image-report: setup ## the image's size per layer group and its build times, cold and warm
+	@$(DLC) image-report
 
 # ---- the emulated cluster (tests/emulated/; docs/emulated.md)
 emulate-up: image ## a bastion + 3 node containers behind it on a private network (then: make cluster-up INVENTORY=ansible/inventories/emulated/hosts.yml)

@@ -1,9 +1,9 @@
 """dlcluster: the operator's one command, run on the control host (a laptop), never on a node.
 
-Each subcommand is a Make target's (the Makefile calls `python -m dlcluster <command>` and names
-the variables it reads); `dlcluster <command> --help` says what the command changes, then the
-flags of the program behind it. The harness the jobs import on the nodes is the other package,
-trainkit/, and it never imports this one.
+Installed by `make setup` (`.venv/bin/dlcluster`, pyproject's [project.scripts]). Each subcommand is
+a Make target's and a Python function with its own flags (`dlcluster COMMAND --help`), whose
+defaults are the Makefile's variables of the same names; the harness the jobs import on the nodes
+is the other package, trainkit/, and it never imports this one.
 
     dlcluster --help
     dlcluster up                       # INVENTORY set: provision through the bastion; else a local cluster
@@ -15,24 +15,70 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout this package lives in
+from dlcluster import lifecycle
+from trainkit.errors import EXIT_USER_ERROR, find_user_error
 
 
 @dataclass(frozen=True)
 class Command:
     changes: str  # one line: what the command changes (or that it changes nothing)
     target: str  # the Make target that calls it
-    run: tuple[str, ...]  # ("module", name, *args): run here; ("script", path, *args): exec'd
-    flags: bool = False  # the program behind it has flags of its own (and its own --help)
+    run: Callable[[list[str]], int | None]  # the command: its flags in, its exit status out
+    prog: str = ""  # the name its one-line errors go by (default: the command's)
 
 
 def _cluster(action: str, changes: str, target: str | None = None) -> Command:
-    return Command(changes, target or action, ("script", "scripts/cluster.sh", action))
+    def run(argv: list[str]) -> int:
+        return lifecycle.run(action, argv, changes)
+    return Command(changes, target or action, run, lifecycle.ACTIONS[action])
+
+
+def _record(what: str, changes: str) -> Command:
+    def run(argv: list[str]) -> None:
+        from dlcluster import record
+        p = argparse.ArgumentParser(prog=f"dlcluster {what}", description=changes)
+        p.add_argument("--record", type=Path, default=None, metavar="FILE",
+                       help="the cluster record (default: $DLC_CONFIG/cluster.json, the current cluster's)")
+        a = p.parse_args(argv)
+        record.main([what, *([str(a.record)] if a.record else [])])
+    return Command(changes, what, run)
+
+
+def _module(module: str, *first: str) -> Callable[[list[str]], int | None]:
+    """The main(argv) of one of this package's modules, with `first` before the flags given."""
+    def run(argv: list[str]) -> int | None:
+        import importlib
+        main: Callable[[list[str]], int | None] = importlib.import_module(module).main
+        return main([*first, *argv])
+    return run
+
+
+def _unquarantine(argv: list[str]) -> None:
+    from dlcluster import doctor
+    p = argparse.ArgumentParser(prog="dlcluster unquarantine", description=COMMANDS["unquarantine"].changes)
+    p.add_argument("node", metavar="NODE", nargs="?", default=os.environ.get("NODE", ""),
+                   help="the quarantined node, as the cluster record names it (default: $NODE)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the cluster record (default: $DLC_CONFIG/cluster.json, the current cluster's)")
+    a = p.parse_args(argv)
+    if not a.node:
+        p.exit(2, "unquarantine: error: name the node: make unquarantine NODE=<name in the cluster record>\n")
+    doctor.main(["--unquarantine", a.node, *(["--config", a.config] if a.config else [])])
+
+
+def _submit(argv: list[str]) -> int:
+    from dlcluster import submit
+    return submit.submit_main(argv)
+
+
+def _resume(argv: list[str]) -> int:
+    from dlcluster import submit
+    return submit.resume_main(argv)
 
 
 COMMANDS: dict[str, Command] = {
@@ -52,57 +98,44 @@ COMMANDS: dict[str, Command] = {
     "upgrade": _cluster("upgrade", "INVENTORY set: a new image, environment or setting rolled onto the "
                         "running cluster, one worker at a time (drained, restarted, checked, rolled back "
                         "on failure), the head last"),
-    "token": Command("changes nothing: prints the current cluster's Ray token to the terminal", "token",
-                     ("module", "dlcluster.record", "token")),
-    "grafana-password": Command("changes nothing: prints the current cluster's Grafana admin password to "
-                                "the terminal", "grafana-password",
-                                ("module", "dlcluster.record", "grafana-password")),
-    "tracking-password": Command("changes nothing: prints the run history's URL, user and password to the "
-                                 "terminal", "tracking-password",
-                                 ("module", "dlcluster.record", "tracking-password")),
+    "token": _record("token", "changes nothing: prints the current cluster's Ray token to the terminal"),
+    "grafana-password": _record("grafana-password", "changes nothing: prints the current cluster's Grafana "
+                                "admin password to the terminal"),
+    "tracking-password": _record("tracking-password", "changes nothing: prints the run history's URL, user "
+                                 "and password to the terminal"),
     "runs": Command("changes nothing: the last runs from the cluster's run history (--run NAME: its "
-                    "metrics per epoch)", "runs", ("module", "dlcluster.runs"), flags=True),
-    "submit": Command("starts a job: `ray job submit` of jobs/JOB.py and its flags to the current "
-                      "cluster, uploading what git tracks and UPLOAD; the submission is kept for resume",
-                      "submit", ("script", "ray/submit.sh")),
+                    "metrics per epoch)", "runs", _module("dlcluster.runs")),
+    "submit": Command("starts a job: `ray job submit` of jobs/JOB.py and its flags to the current cluster, "
+                      "uploading what git tracks and UPLOAD; the submission is kept for resume", "submit",
+                      _submit),
     "resume": Command("starts a job: run RUN submitted again as it first was (same job, flags, --name), "
-                      "going on from its last checkpoint", "resume", ("script", "ray/submit.sh", "--resume")),
+                      "going on from its last checkpoint", "resume", _resume),
     "smoke": Command("runs short jobs, changes no setting: the nodes, all-reduce bandwidth, perf against "
-                     "the baseline, the trainers, the way in", "smoke", ("module", "dlcluster.smoke.run"),
-                     flags=True),
+                     "the baseline, the trainers, the way in", "smoke", _module("dlcluster.smoke.run")),
     "baseline": Command("writes the cluster's performance baseline (no job may run): per node step time "
                         "and storage, per link iperf3, all-reduce busbw", "baseline",
-                        ("module", "dlcluster.smoke.run", "--record-baseline"), flags=True),
+                        _module("dlcluster.smoke.run", "--record-baseline"), "smoke"),
     "doctor": Command("changes nothing, unless --quarantine: then each worker with a finding is taken out "
-                      "of Ray (a quarantine file, its Ray stopped)", "doctor", ("module", "dlcluster.doctor"),
-                      flags=True),
+                      "of Ray (a quarantine file, its Ray stopped)", "doctor", _module("dlcluster.doctor")),
     "unquarantine": Command("puts the quarantined node NODE back into Ray (its quarantine file removed, "
-                            "Ray started)", "unquarantine", ("module", "dlcluster.doctor", "--unquarantine")),
+                            "Ray started)", "unquarantine", _unquarantine, "doctor"),
     "bench": Command("runs jobs on the current cluster, changes no setting: Ray Train against each job's "
                      "own launcher; writes bench.json and plots under --out", "bench",
-                     ("module", "dlcluster.bench.bench"), flags=True),
+                     _module("dlcluster.bench.bench")),
     "bench-ae": Command("runs jobs on the current cluster, changes no setting: the autoencoder at workers "
-                        "1, 2 x batch 64, 128", "bench-ae", ("module", "dlcluster.bench.bench_autoencoder"),
-                        flags=True),
+                        "1, 2 x batch 64, 128", "bench-ae", _module("dlcluster.bench.bench_autoencoder"),
+                        "bench"),
     "image-report": Command("changes nothing: the image's size per layer group and its build times",
-                            "image-report", ("module", "dlcluster.image_report")),
+                            "image-report", _module("dlcluster.image_report")),
 }
-
-
-def checkout(start: Path) -> Path | None:
-    """The checkout `start` is in (a folder with versions.env and ansible/), or None."""
-    for folder in (start, *start.parents):
-        if (folder / "versions.env").is_file() and (folder / "ansible").is_dir():
-            return folder
-    return None
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dlcluster", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The operator's command for a Ray cluster of GPU servers behind an SSH bastion "
-                    "(each command is a Make target's: `make help`). The variables it reads (INVENTORY, "
-                    "DLC_CONFIG, NODE, ...) are the Makefile's, with their defaults there.",
+                    "(each command is a Make target's: `make help`). Each command's flags default to the "
+                    "Makefile's variables of the same names (INVENTORY, DLC_CONFIG, NODE, ...).",
         epilog="`dlcluster COMMAND --help`: what it changes, then its flags.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, c in COMMANDS.items():
@@ -114,20 +147,20 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         parser().parse_args(argv)  # the help, or one line naming the unknown command and the known ones
-    command, rest = argv[0], argv[1:]  # the rest goes to the program behind the command, untouched
+    command, rest = argv[0], argv[1:]  # the rest is the command's own flags
     c = COMMANDS[command]
-    here = checkout(Path.cwd())
-    if here is not None and here != ROOT:  # another checkout's dlcluster (its folder on PYTHONPATH)
-        sys.exit(f"dlcluster: this command is the checkout {ROOT}'s, run from the checkout {here}: run "
-                 f"`.venv/bin/python -m dlcluster` from {here}'s root (or its make targets)")
+    prog = c.prog or command
     if rest[:1] in (["-h"], ["--help"]):
-        print(f"dlcluster {command} (make {c.target}): {c.changes}")
-        if not c.flags:  # what it reads are Make's variables (make help)
-            return
-        print()
-    kind, what, args = c.run[0], c.run[1], [*c.run[2:], *rest]
-    if kind == "script":  # from the checkout's root, as make runs it (its lines name it so)
-        os.chdir(ROOT)
-        os.execv(what, [what, *args])
-    sys.argv = [f"dlcluster {command}", *args]
-    runpy.run_module(what, run_name="__main__", alter_sys=True)
+        print(f"dlcluster {command} (make {c.target}): {c.changes}\n", flush=True)
+    try:
+        code = c.run(rest)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # a UserError: one line (also one raised on a Ray worker, which Ray wraps)
+        cause = find_user_error(e)
+        if cause is None:
+            raise
+        print(f"{prog}: error: {cause}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    sys.exit(code or 0)

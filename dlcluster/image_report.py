@@ -8,6 +8,7 @@ DOCKER (/usr/bin/docker), DLC_CACHE (versions.env's default).
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def gb(n: float) -> str:
     return f"{n / 1e9:6.2f} GB" if n >= 1e8 else f"{n / 1e6:6.2f} MB"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="dlcluster image-report", description=(__doc__ or "").split("\n\n")[0]
+                            ).parse_args(argv)
     if subprocess.run([DOCKER, "image", "inspect", IMAGE], capture_output=True).returncode != 0:
         fail(f"no image {IMAGE} (make image first, or set IMAGE=)")
     base = docker("image", "inspect", "-f", '{{index .Config.Labels "dlcluster.base"}}', IMAGE).strip()

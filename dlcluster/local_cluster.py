@@ -491,7 +491,7 @@ def make_var(name: str, default: int, low: int, high: int | None = None):
     return {"type": parse, "default": os.environ.get(name) or str(default)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = _Parser(prog="local_cluster", description=(__doc__ or "").split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start the head and worker nodes")
@@ -508,7 +508,7 @@ def main() -> None:
     sub.add_parser("status", help="nodes and resources")
     t = sub.add_parser("serve-tracking", help="(up starts it) the tracking server, its password in step")
     t.add_argument("server", nargs=argparse.REMAINDER)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.cmd == "serve-tracking":
         a.server = a.server[1:] if a.server[:1] == ["--"] else a.server
         if not a.server:

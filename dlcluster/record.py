@@ -163,7 +163,7 @@ class ClusterRecord(BaseModel):
 
     def client_env_text(self) -> str:
         """ray-client.env: `export KEY=VALUE` lines, each value quoted for the shell (`source` it);
-        ray/submit.sh parses them without evaluating."""
+        dlcluster submit reads the record itself."""
         return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.client_env().items())
 
     def write(self, config: Path | None = None) -> Path:
@@ -222,8 +222,6 @@ def main(argv: list[str] | None = None) -> None:
             print(load(path).model_dump_json(indent=2))
         elif what == "env":
             print(load(path).client_env_text(), end="")
-        elif what == "runtime-env":  # ray/submit.sh: --runtime-env-json (the commit from its env)
-            print(json.dumps(load(path).runtime_env(os.environ.get("DLC_SUBMIT_COMMIT"))))
         elif what == "token":
             # for pasting into the dashboard's sign-in dialog: to this terminal only, never a log
             token = Path(load(path).token_path)
@@ -256,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{path or config_dir() / RECORD}: cluster {r.name} ({r.kind}, {len(r.nodes)} "
                   f"node(s)) at {r.job_api}")
         else:
-            raise UserError(f"unknown command {what!r}; use show, env, runtime-env, token, "
+            raise UserError(f"unknown command {what!r}; use show, env, token, "
                             "grafana-password, tracking-password, check or schema")
     except UserError as e:
         print(f"record: error: {e}", file=sys.stderr)

@@ -1,18 +1,13 @@
 """The services an operator reaches through the ssh tunnel, as the one list declares them
 (ansible/roles/cluster_defaults/defaults/main.yml: `dlc_services`), for the operator's side: each service's
 Make variable and its default (the default of its tunnel variable there), checked and handed to
-Ansible by scripts/cluster.sh:
-
-    python -m dlcluster.services tunnel-args   the tunnel's local ends from the environment (the
-                                               Make variables, else their defaults), checked: a
-                                               VARIABLE=PORT line each, for ansible-playbook's -e,
-                                               or one line naming the problem
+Ansible by dlcluster/lifecycle.py: tunnel_ends(), the tunnel's local ends from the environment (the
+Make variables, else their defaults), each checked, or a UserError naming the problem.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +23,7 @@ DEFAULTS = Path(__file__).resolve().parents[1] / "ansible/roles/cluster_defaults
 class Service:
     name: str
     make_var: str  # the Make variable of the tunnel's local end on the control host
-    local_port: str  # roles/cluster_defaults's variable that scripts/cluster.sh sets to it
+    local_port: str  # roles/cluster_defaults's variable that dlcluster/lifecycle.py sets to it
     head_port: str  # the variable of the head's port
     enabled: tuple[str, ...]  # the variables that turn it on, all of them (none: always on)
     record: str  # the cluster record's URL field (dlcluster/record.py)
@@ -60,21 +55,3 @@ def tunnel_ends(env: Mapping[str, str] = os.environ) -> dict[str, int]:
         ends[port] = s.make_var
         out[s.local_port] = port
     return out
-
-
-def main(argv: list[str]) -> int:
-    if argv != ["tunnel-args"]:
-        print(__doc__, file=sys.stderr)
-        return 2
-    try:
-        ends = tunnel_ends()
-    except UserError as e:
-        print(e, file=sys.stderr)
-        return 2
-    for variable, port in ends.items():
-        print(f"{variable}={port}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -4,15 +4,10 @@ A run whose driver was lost (the head's Ray restarted: every job's driver runs t
 --max-failures cannot bring a driver back) resumes by being submitted again with the same job,
 flags and --name: the harness restores its last checkpoint and trains the missing epochs.
 
-    python -m dlcluster.submissions keep COMMIT JOB [FLAGS...]
-                                                            keep what is submitted next, under its
-                                                            --name (one is added when the flags have
-                                                            none); prints its submission id (RUN,
-                                                            then RUN-2, ...) and the flags,
-                                                            NUL-separated
-    python -m dlcluster.submissions resume RUN              the job and its flags, NUL-separated; or
-                                                            one line and exit 2 (an unknown run, one
-                                                            still running or finished)
+    keep(commit, job, flags)   what is submitted next, kept under its --name (one is added when the
+                               flags have none): its submission id (RUN, then RUN-2, ...) and flags
+    resume(run)                the job and its flags, or a UserError (an unknown run, one still
+                               running or finished); dlcluster/submit.py calls both
 
 Kept as $DLC_CONFIG/clusters/<cluster>/runs/<RUN>.json (the cluster of the current record).
 """
@@ -21,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -122,25 +116,3 @@ def resume(run: str) -> tuple[str, list[str]]:
     if state == "SUCCEEDED":
         raise UserError(f"run {run} finished (job {last} succeeded): nothing to resume")
     return kept.job, kept.flags
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        if args[:1] == ["keep"] and len(args) >= 3:
-            submission, flags = keep(args[1], args[2], args[3:])
-            sys.stdout.write("\0".join([submission, *flags]))
-        elif args[:1] == ["resume"] and len(args) == 2:
-            job, flags = resume(args[1])
-            sys.stdout.write("\0".join([job, *flags]))
-        else:
-            print(__doc__.split("\n\n")[2], file=sys.stderr)
-            return 2
-    except UserError as e:
-        print(f"resume: error: {e}" if args[:1] == ["resume"] else f"submit: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

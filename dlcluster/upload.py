@@ -3,9 +3,9 @@ working tree, the commit's name, and the files the user names (UPLOAD=...); noth
 `.env`, `.netrc`, cloud credentials and scripts that were never added stay on this machine
 whatever their names, where an ignore file can only list the names it thought of.
 
-    python -m dlcluster.upload STAGE [PATH...]   # fills the empty folder STAGE, prints a summary
+    stage(repo, STAGE, paths)    # fills the empty folder STAGE; say(...) prints a summary
 
-ray/submit.sh then runs `ray job submit --working-dir STAGE` with Ray's own ignore rules off
+dlcluster/submit.py then runs `ray job submit --working-dir STAGE` with Ray's own ignore rules off
 (RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1, no .rayignore in STAGE): the folder is what travels.
 """
 
@@ -97,24 +97,11 @@ def stage(repo: Path, into: Path, named: Sequence[str] = ()) -> list[str]:
     return files
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: python -m dlcluster.upload STAGE [PATH...]", file=sys.stderr)
-        return 2
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        files = stage(repo, Path(argv[0]), argv[1:])
-    except UserError as e:
-        print(f"submit: error: {e}", file=sys.stderr)
-        return 2
-    size = sum((Path(argv[0]) / f).lstat().st_size for f in files)
+def say(repo: Path, into: Path, files: list[str], named: list[str]) -> None:
+    """What the upload holds, in a line (and the submodules it leaves out)."""
+    size = sum((into / f).lstat().st_size for f in files)
     if left := gitlinks(repo):
         print(f"submit: left out {', '.join(left)}: a submodule (git tracks only its commit); what a job "
               "needs from it goes in the checkout or on the cluster's shared storage", file=sys.stderr)
-    print(f"submit: uploading {len(files)} files git tracks{' and UPLOAD' if argv[1:] else ''} "
-          f"({size / 1e6:.1f} MB); nothing else leaves this machine", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print(f"submit: uploading {len(files)} files git tracks{' and UPLOAD' if named else ''} "
+          f"({size / 1e6:.1f} MB); nothing else leaves this machine", file=sys.stderr, flush=True)

@@ -79,7 +79,7 @@ if [ -n "$here" ] && [ "$(in_base cat /etc/os-release | release)" = "$here" ]; t
   if [ "$GPU" = 1 ] && command -v nvcc >/dev/null && [ -x .venv/bin/python ] \
      && [ "$(in_base /usr/local/cuda/bin/nvcc --version | tail -n 1)" = "$(nvcc --version | tail -n 1)" ]; then
     echo "image: Horovod's NCCL operations for this base, compiled on this host once per key (log: $CACHE/wheels/<key>/build.log)"
-    HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=${CUDA_ARCHS:-} scripts/build_horovod.sh --wheel-only .venv >/dev/null \
+    HOROVOD_GPU=1 HOROVOD_BUILD_CUDA_CC_LIST=${CUDA_ARCHS:-} scripts/build_horovod.sh --wheel-only .venv/base >/dev/null \
       || die "compiling Horovod's NCCL operations failed (scripts/build_horovod.sh; its log is named above)"
   fi
   for w in "$CACHE"/wheels/horovod-*/horovod-*.whl; do
@@ -113,7 +113,7 @@ if [ "$commit" != unknown ] && [ -n "$(git status --porcelain -uno 2>/dev/null)"
 inputs=$( {
   printf '%s\n' "$("$DOCKER" image inspect -f '{{.Id}}' "$BASE_IMAGE")" "$pyver" "$PIN_PIP" "${CUDA_ARCHS:-}" \
     "$tf_venv" "$commit" "${secret[*]:+ca}"
-  find docker/Dockerfile .dockerignore pyproject.toml versions.env trainkit jobs scripts/build_horovod.sh \
+  find docker/Dockerfile .dockerignore versions.env trainkit jobs scripts/build_horovod.sh \
     docker/slim_cuda.sh patches requirements.lock docker/tf-cuda.lock -type f \
     -not -name '*.pyc' -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
 } | sha256sum | cut -c1-32)

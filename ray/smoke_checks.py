@@ -33,9 +33,19 @@ def emit(payload: dict) -> None:
 
 
 # ------------------------------------------------------------------ nodes
+def harness() -> dict:
+    """Where this process imported the harness from, and the job's working dir (its upload): a
+    node that also has a copy installed (the image's) must still run the uploaded one."""
+    import trainkit
+
+    return {"harness": str(Path(trainkit.__file__).resolve().parent),
+            "working_dir": str(Path.cwd().resolve())}
+
+
 def check_nodes(probe_timeout: float) -> dict:
     """Every node Ray knows: address, hostname, CPUs, GPUs, head or not, whether its dashboard
-    agent registered (a node without one cannot take jobs), and whether a task pinned to it runs."""
+    agent registered (a node without one cannot take jobs), whether a task pinned to it runs, and
+    which harness that task (and the driver) imported."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     import ray
@@ -58,7 +68,7 @@ def check_nodes(probe_timeout: float) -> dict:
             import ray as r
 
             return {"hostname": socket.gethostname(), "python": platform.python_version(),
-                    "ray": r.__version__, "node_id": r.get_runtime_context().get_node_id()}
+                    "ray": r.__version__, "node_id": r.get_runtime_context().get_node_id(), **harness()}
 
         refs = {n["NodeID"]: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             n["NodeID"], soft=False)).remote() for n in alive}
@@ -83,7 +93,7 @@ def check_nodes(probe_timeout: float) -> dict:
             })
         return {"nodes": nodes, "dead": len(everything) - len(alive),
                 "driver": {"python": platform.python_version(), "ray": ray.__version__,
-                           "hostname": socket.gethostname()},
+                           "hostname": socket.gethostname(), **harness()},
                 "probe_timeout_s": probe_timeout}
     finally:
         ray.shutdown()

@@ -31,6 +31,7 @@ fi
 
 site=$(mktemp -d /tmp/dlc-gpu-site.XXXXXX)
 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$dir"/*.whl
+ln -s "$PWD/trainkit" "$PWD/dlcluster" "$site/"  # this checkout's packages, as make setup installs them
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH
 export DLC_HOME=${DLC_HOME:-/tmp/dlc-gpu-home} DLC_CACHE=${DLC_CACHE:-/tmp/dlc-gpu-cache}
 

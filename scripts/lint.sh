@@ -37,7 +37,7 @@ if ! command -v shellcheck >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-ge
   { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq shellcheck; } >/dev/null 2>&1 || true
 fi
 if command -v shellcheck >/dev/null; then
-  step shellcheck shellcheck scripts/*.sh docker/*.sh ray/*.sh tests/emulated/*.sh .ci/run
+  step shellcheck shellcheck scripts/*.sh docker/*.sh tests/emulated/*.sh .ci/run
 else
   echo "lint: shellcheck not installed (apt-get install shellcheck); shell scripts not checked"
   skipped=1

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# make setup: the project's virtualenv at .venv, a link to a cached venv keyed by what it holds
-# (Python version, pip's pin and requirements.lock; Horovod's wheel is cached by its own key). The
-# first run builds it from the lock, every file checked against its hash (minutes: torch alone is
-# 5.5 GB); every later run with the same key takes seconds.
+# make setup: the project's virtualenv at .venv, over a cached venv keyed by what it holds (Python
+# version, pip's pin and requirements.lock; Horovod's wheel is cached by its own key). The first run
+# builds that from the lock, every file checked against its hash (minutes: torch alone is 5.5 GB);
+# every later run with the same key takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ./versions.env  # DEFAULT_PYTHON, PIN_PIP, PIN_HOROVOD, ... (the one place for each)
@@ -37,14 +37,38 @@ if [ ! -f "$venv/.complete" ]; then
     -r "$venv/requirements.txt"
   "$venv/bin/python" -m pip check
   touch "$venv/.complete"
-  ln -sfn "$venv" .venv
   for old in "$CACHE"/venv-*; do  # environments of earlier pins: 9 GB each
     if [ "$old" != "$venv" ]; then echo "setup: removing the outdated environment $old"; rm -rf "$old"; fi
   done
 fi
-ln -sfn "$venv" .venv
 # Horovod is compiled once per (horovod, torch, patch) and cached as a wheel (scripts/build_horovod.sh).
-if [ -x scripts/build_horovod.sh ]; then scripts/build_horovod.sh .venv; fi
+if [ -x scripts/build_horovod.sh ]; then scripts/build_horovod.sh "$venv"; fi
+
+# The checkout's own environment, .venv: a thin virtualenv over the cached one (its packages through a
+# .pth, .venv/base a link to it), with this checkout's packages (trainkit, dlcluster) installed editable
+# and the operator's command, .venv/bin/dlcluster. The cached environment's commands (ray, pytest,
+# torchrun, ...) are written again to run under .venv's Python. Seconds; nothing when nothing changed.
+stamp="$venv $(sha256sum pyproject.toml | cut -c1-16) $PWD"
+if [ "$(cat .venv/.overlay 2>/dev/null)" != "$stamp" ] || [ ! -x .venv/bin/dlcluster ]; then
+  rm -rf .venv  # a link (setups before the overlay) or an overlay of other pins
+  "$venv/bin/python" -m venv --without-pip .venv
+  ln -s "$venv" .venv/base
+  purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
+  printf 'import site; site.addsitedir(%s)\n' "'$(purelib "$venv/bin/python")'" \
+    >"$(purelib .venv/bin/python)/_dlc_base.pth"
+  for cmd in "$venv"/bin/*; do  # a script of the cached Python again under .venv's; a program linked
+    name=${cmd##*/}
+    case $name in activate*|Activate*|python*) continue ;; esac
+    if head -n 3 "$cmd" | grep -q "$venv/bin/python"; then
+      sed "1,3s|$venv/bin/python[0-9.]*|$PWD/.venv/bin/python|" "$cmd" >".venv/bin/$name"
+      chmod 755 ".venv/bin/$name"
+    else
+      ln -s "$cmd" ".venv/bin/$name"
+    fi
+  done
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation --no-index -e .
+  echo "$stamp" >.venv/.overlay
+fi
 # Ansible and its linters, in a small environment of their own (.venv-ansible).
 scripts/setup_ansible.sh
-echo "setup: .venv -> $venv ready"
+echo "setup: .venv (over $venv) ready"

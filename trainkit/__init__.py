@@ -1,9 +1,9 @@
 """The training harness every job shares (see job.py): flags, launchers, worker plan,
 checkpoints and restore, per-phase timing, ONNX publishing; and the jobs' data sets.
 
-`python jobs/<job>.py`, torchrun and horovodrun find this package through `jobs/trainkit`, a link
-to it (a script's own folder is on Python's path); Ray's workers find it in the uploaded
-working dir, whose root is on their path.
+Installed by `make setup` into the checkout's .venv (editable) and into the image (a path entry),
+so `python jobs/<job>.py`, torchrun and horovodrun find it; a Ray job's driver and workers import
+the copy in its uploaded working dir, which Ray puts first on PYTHONPATH (make smoke checks it).
 """
 
 import time as _time

@@ -217,10 +217,7 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    # Ray's upload copies symlinks as folders: jobs/trainkit is then a real folder, so the
-    # working dir's root (with .git) may be a parent of REPO_ROOT
-    uploaded = next((c for d in (REPO_ROOT, *REPO_ROOT.parents)
-                     if (c := uploaded_commit(d / ".git"))), None)
+    uploaded = uploaded_commit(REPO_ROOT / ".git")  # the working dir's root, where the harness is
     return (os.environ.get("DLC_SUBMIT_COMMIT") or uploaded or os.environ.get("DLC_GIT_COMMIT")
             or "unknown")
 

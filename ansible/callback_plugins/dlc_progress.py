@@ -2,7 +2,7 @@
 and its shipper (roles/node_image/files/dlc_ship.py) keeps one line per node in
 $DLC_PROGRESS_DIR/<node>; an async poll prints that line, the first one and then at most one every
 PRINT_EVERY_S per node (the role polls more often: docker_ship_poll_s), so a long transfer shows a
-line every few seconds however often Ansible asks (scripts/cluster.sh sets the folder)."""
+line every few seconds however often Ansible asks (dlcluster/lifecycle.py sets the folder)."""
 
 from __future__ import annotations
 

@@ -46,12 +46,12 @@ def run(workers: int, batch: int, a: argparse.Namespace, work: Path) -> dict:
     return json.loads((work / name / "manifest.json").read_text())["metrics"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="bench-ae", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default=None, help="job API (default: the cluster record's)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is reported")
     p.add_argument("--limit", type=int, default=None, help="frames to use (default: all 6472)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     current = record.load()  # the cluster `make cluster-up` brought up, wherever its job API is
     os.environ.update(current.client_env())
     a.address = a.address or current.job_api

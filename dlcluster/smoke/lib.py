@@ -114,10 +114,21 @@ def match_nodes(expected: list[record.Node], actual: list[dict]) -> list[str]:
     return problems
 
 
+def stale_harness(where: dict) -> str | None:
+    """Why a process ran a harness other than its job's upload (an installed copy shadowing it), or None."""
+    harness, upload = where.get("harness"), where.get("working_dir")
+    if harness is None or upload is None or Path(harness).is_relative_to(upload):
+        return None
+    return (f"it imported the harness from {harness}, not from the job's upload ({upload}): an installed "
+            "copy shadows the code submitted (PYTHONPATH, or a .pth file before it)")
+
+
 def node_problems(payload: dict, expected: list[record.Node]) -> list[str]:
-    """match_nodes, plus every node's dashboard agent and pinned task."""
+    """match_nodes, plus every node's dashboard agent, pinned task and the harness it ran."""
     nodes = payload["nodes"]
     problems = match_nodes(expected, nodes)
+    if stale := stale_harness(payload.get("driver") or {}):
+        problems.append(f"the driver: {stale}")
     for n in nodes:
         who = f"Ray node {n.get('hostname')} ({n.get('ip')}, {str(n.get('node_id'))[:8]})"
         if not n.get("agent"):
@@ -128,6 +139,8 @@ def node_problems(payload: dict, expected: list[record.Node]) -> list[str]:
                             f"{payload.get('probe_timeout_s', '?')} s")
         elif "error" in task:
             problems.append(f"{who}: a task pinned to it failed: {task['error']}")
+        elif stale := stale_harness(task):
+            problems.append(f"{who}: {stale}")
     return problems
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -20,7 +21,8 @@ N = 2
 
 
 def smoke(cluster, *argv, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "dlcluster", "smoke", *argv], cwd=REPO, env=cluster.env,
+    proc = subprocess.run([str(Path(sys.executable).parent / "dlcluster"), "smoke", *argv], cwd=REPO,
+                          env=cluster.env,
                           capture_output=True, text=True, timeout=timeout)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     return proc
@@ -77,6 +79,19 @@ def test_nodes(run):
     # all share the host's
     hostnames = {n["task"]["hostname"] for n in nodes["nodes"]}
     assert len(hostnames) == (N if os.geteuid() == 0 else 1), hostnames
+
+
+def test_the_driver_and_every_node_run_the_uploaded_harness_over_the_installed_one(run):
+    """The local cluster runs .venv, where make setup installed this checkout's trainkit: the job's
+    driver and its tasks on each node still import the uploaded copy (its working dir)."""
+    import trainkit
+
+    installed = Path(trainkit.__file__).resolve().parent
+    assert installed == REPO / "trainkit"
+    nodes = run[1]["steps"][0]["details"]
+    for where in [nodes["driver"], *(n["task"] for n in nodes["nodes"])]:
+        harness, upload = Path(where["harness"]), Path(where["working_dir"])
+        assert harness == upload / "trainkit" and upload != REPO and "_ray_pkg_" in upload.name, where
 
 
 def test_allreduce(run):

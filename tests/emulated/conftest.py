@@ -1,7 +1,7 @@
 """The emulated cluster, provisioned like real servers, for the tests in this folder.
 
 `tests/emulated/emulate.sh up` starts a bastion and three node containers behind it (systemd,
-sshd, a private network the host cannot reach), then `scripts/cluster.sh up` (= make cluster-up
+sshd, a private network the host cannot reach), then `dlcluster up` (= make cluster-up
 INVENTORY=ansible/inventories/emulated/hosts.yml) provisions them through the bastion with the
 real playbooks. Everything runs with its own DLC_CONFIG, so a user's clusters and keys are not
 touched; the session ends with cluster-down and emulate-down, and removes the images its tests
@@ -46,6 +46,7 @@ from trainkit.versions import cache_dir
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "ansible/inventories/emulated/hosts.yml"
 BIN = Path(sys.executable).parent
+DLCLUSTER = str(BIN / "dlcluster")  # the operator's command, installed by make setup
 # The tier's own tunnel port: `make demo`'s local cluster keeps the README's 127.0.0.1:8265, so the
 # quick start's two commands (make demo, then make test) run in that order, the demo still up.
 PORT = 8275
@@ -185,7 +186,7 @@ class Emulated:
 
     def cluster(self, action: str, inventory: Path | None = None, timeout: int = 900,
                 port: int | None = None):
-        """scripts/cluster.sh ACTION with `inventory`; `port`: the tunnel's local ends of a cluster of
+        """dlcluster ACTION with `inventory`; `port`: the tunnel's local ends of a cluster of
         another name (DASHBOARD_PORT, METRICS_PORT, GRAFANA_PORT, TRACKING_PORT: port, +100, +200, +300), as
         its operator would give it: this cluster's tunnel holds the tier's, and cluster-up names a
         held port before anything else."""
@@ -193,7 +194,7 @@ class Emulated:
         if port is not None:
             env.update(DASHBOARD_PORT=str(port), METRICS_PORT=str(port + 100), GRAFANA_PORT=str(port + 200),
                        TRACKING_PORT=str(port + 300))
-        return run(["scripts/cluster.sh", action], env, timeout=timeout)
+        return run([DLCLUSTER, action], env, timeout=timeout)
 
     def client_env(self) -> dict:
         """The environment a client gets from the cluster record (as `make submit` does)."""
@@ -238,7 +239,7 @@ class Demo:
 
     def down(self) -> None:
         if self.env is not None:
-            run(["scripts/cluster.sh", "down"], self.env, timeout=300)
+            run([DLCLUSTER, "down"], self.env, timeout=300)
             self.env = None
 
 
@@ -264,7 +265,7 @@ def demo(tmp_path_factory):
         left = Path(STAND_IN.read_text().strip())
         if left.is_dir():
             print(f"stopping the demo stand-in a killed earlier run left ({left})")
-            run(["scripts/cluster.sh", "down"], stand_in_env(left), timeout=300)
+            run([DLCLUSTER, "down"], stand_in_env(left), timeout=300)
         STAND_IN.unlink()
     with socket.socket() as s:
         busy = s.connect_ex(("127.0.0.1", DEMO_PORT)) == 0
@@ -276,7 +277,7 @@ def demo(tmp_path_factory):
     env = stand_in_env(config)
     STAND_IN.parent.mkdir(parents=True, exist_ok=True)
     STAND_IN.write_text(f"{config}\n")
-    run(["scripts/cluster.sh", "up"], env, timeout=300, check=True)
+    run([DLCLUSTER, "up"], env, timeout=300, check=True)
     d = Demo(env)
     try:
         yield d
@@ -305,13 +306,13 @@ def emulated(tmp_path_factory, demo):
         # pull, beside the other lane: 3.35 GB compressed at 3-4 MB/s, over 800 s (2026-12-01); on a
         # slower machine the push alone took 21 minutes and the whole cluster-up passed 2400 s in its
         # last task (2026-12-02): the limit stops a hung run, not a slow one
-        up = run_within(["scripts/cluster.sh", "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=3600)
+        up = run_within([DLCLUSTER, "up"], {**env, "INVENTORY": str(INVENTORY)}, timeout=3600)
         print(f"cluster-up through the bastion: {time.time() - started:.0f} s")
     print(up.stdout[-3000:], up.stderr[-2000:])
     yield Emulated(env, config, up, demo)
     try:
         if (config / "cluster.json").exists():  # the last test's cluster-down did not run, or failed
-            run(["scripts/cluster.sh", "down"], {**env, "INVENTORY": str(INVENTORY)}, timeout=300)
+            run([DLCLUSTER, "down"], {**env, "INVENTORY": str(INVENTORY)}, timeout=300)
     finally:
         try:
             run(["tests/emulated/emulate.sh", "down"], env, timeout=300)

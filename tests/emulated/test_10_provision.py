@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     BASTION_PRIVATE,
     DEMO_PORT,
+    DLCLUSTER,
     NODES,
     PORT,
     REPO,
@@ -128,7 +129,7 @@ def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated, tmp_path):
         for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT", "TRACKING_PORT"):
             env.pop(name)
         started = time.time()
-        proc = run(["scripts/cluster.sh", "up"], env, timeout=300)
+        proc = run([DLCLUSTER, "up"], env, timeout=300)
         took = time.time() - started
         last = proc.stderr.strip().splitlines()[-1]
         print(f"{took:.0f} s: {last}")

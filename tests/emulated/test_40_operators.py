@@ -21,6 +21,7 @@ import pytest
 from conftest import (
     BASTION_PRIVATE,
     BIN,
+    DLCLUSTER,
     INVENTORY,
     NODES,
     REPO,
@@ -70,7 +71,7 @@ def test_attach_uses_a_running_cluster_and_changes_no_server(emulated, tmp_path)
     d = operator(emulated, tmp_path, "d", 8278)
     with held_job(emulated) as job:
         try:
-            proc = run(["scripts/cluster.sh", "attach"], d, timeout=300)
+            proc = run([DLCLUSTER, "attach"], d, timeout=300)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
             assert set(recap(proc.stdout)) == {"localhost"}  # no play ran on a server
             folder = Path(d["DLC_CONFIG"])
@@ -97,7 +98,7 @@ def test_the_running_jobs_check_fails_closed(emulated, tmp_path):
     emulated.ssh("node-1", f"sudo cp -p {token} /root/ray_token.saved && "
                            f"echo 0000 | sudo tee {token} >/dev/null").check_returncode()
     try:
-        proc = run(["scripts/cluster.sh", "up"], e, timeout=300)
+        proc = run([DLCLUSTER, "up"], e, timeout=300)
     finally:  # the same bytes and time stamp: nothing for the next run to restart
         emulated.ssh("node-1", f"sudo cp -p /root/ray_token.saved {token}").check_returncode()
     last = proc.stderr.strip().splitlines()[-1]
@@ -209,7 +210,7 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         # remove-node (it re-keys the cluster: rotate-token's own check, before the node is touched)
         # and cluster-down go through the same check: refused, nothing changed
         for action in ("remove-node", "down"):
-            proc = run(["scripts/cluster.sh", action], {**emulated.env, "INVENTORY": str(INVENTORY),
+            proc = run([DLCLUSTER, action], {**emulated.env, "INVENTORY": str(INVENTORY),
                                                         "NODE": "node-2"})
             last = proc.stderr.strip().splitlines()[-1]
             print(last)
@@ -229,7 +230,7 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
         return log.read_text() if log.exists() else ""
 
     env = {**emulated.env, "INVENTORY": str(REPO / "ansible/inventories/emulated/hosts.yml")}
-    stopped = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    stopped = subprocess.Popen([DLCLUSTER, "up"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -324,12 +325,12 @@ def test_a_changed_setting_waits_for_running_jobs_and_an_interrupted_run_converg
     for creds, code in ((admin_old, 401), (admin_new, 200)):  # another account's details: administrators'
         assert answer(f"/api/2.0/mlflow/users/get?username={jobs_new.split(':')[0]}", creds) == code
     # the operator who still has the old token: one line, nothing changed; attach fetches the new one
-    refused = run(["scripts/cluster.sh", "up"], stale, timeout=300)
+    refused = run([DLCLUSTER, "up"], stale, timeout=300)
     last = refused.stderr.strip().splitlines()[-1]
     print(last)
     assert refused.returncode != 0 and "is not the one cluster emulated runs with" in last, last
     assert "run make attach INVENTORY=" in last and untouched(refused)
-    attached = run(["scripts/cluster.sh", "attach"], stale, timeout=300)
+    attached = run([DLCLUSTER, "attach"], stale, timeout=300)
     close_tunnel(stale)
     assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
     assert (folder / "ray_token").read_text().strip() == new
@@ -360,7 +361,7 @@ def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_ho
     b, c = operator(emulated, tmp_path, "b", 8276), operator(emulated, tmp_path, "c", 8277)
     b_log = Path(b["DLC_CONFIG"]) / "clusters/emulated/up.log"
     with held_job(emulated) as job:
-        b_run = subprocess.Popen(["scripts/cluster.sh", "up"], cwd=REPO, env=b, stdout=subprocess.PIPE,
+        b_run = subprocess.Popen([DLCLUSTER, "up"], cwd=REPO, env=b, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             locked = r"Take the cluster's lock on the head \(held until this run ends\)\] \**\nok:"
@@ -368,7 +369,7 @@ def test_a_second_operator_gets_the_clusters_token_and_a_second_run_names_the_ho
             while not re.search(locked, b_log.read_text() if b_log.exists() else ""):
                 assert time.time() < deadline and b_run.poll() is None, b_log.read_text()[-3000:]
                 time.sleep(0.5)
-            c_run = run(["scripts/cluster.sh", "up"], c, timeout=300)
+            c_run = run([DLCLUSTER, "up"], c, timeout=300)
             b_out, b_err = b_run.communicate(timeout=900)
             assert b_run.returncode == 0, b_out[-3000:] + b_err[-2000:]
             assert {h: v["changed"] for h, v in recap(b_out).items() if h != "localhost"} == \

@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlcluster import jobs_plan
+from dlcluster import ansible_failure, jobs_plan
 
 REPO = Path(__file__).resolve().parents[2]
+DLCLUSTER = str(Path(sys.executable).parent / "dlcluster")  # the installed command (make setup)
 ANSIBLE = REPO / "ansible"
 sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
-sys.path.insert(0, str(REPO / "scripts"))
 
-import ansible_failure  # noqa: E402
 import dlc_gpu  # noqa: E402
 import dlc_jobs  # noqa: E402
 import dlc_preflight  # noqa: E402
@@ -543,7 +542,7 @@ def test_a_second_cluster_up_of_the_same_cluster_is_one_line_naming_the_holder(t
             time.sleep(0.05)
         env = {**os.environ, "DLC_CONFIG": str(tmp_path),
                "INVENTORY": str(ANSIBLE / "inventories/example/hosts.yml")}
-        proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+        proc = subprocess.run([DLCLUSTER, "up"], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr == (

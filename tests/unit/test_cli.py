@@ -1,5 +1,6 @@
-"""The operator's one command (dlcluster/cli.py): every operator Make target calls it, its --help
-lists every command and says what each changes, and a command of another checkout refuses."""
+"""The operator's one command (dlcluster/cli.py), installed by make setup: every operator Make target
+calls it, its --help lists every command and says what each changes, each command has its own flags,
+and it runs this checkout's code, found with no link, no folder change and no guard."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from dlcluster import cli
 REPO = Path(__file__).resolve().parents[2]
 
 
+DLCLUSTER = Path(sys.executable).parent / "dlcluster"  # .venv/bin/dlcluster
+
+
 def dlcluster(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlcluster", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([str(DLCLUSTER), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def recipes() -> dict[str, list[str]]:
@@ -35,19 +39,19 @@ def test_every_make_target_that_runs_python_goes_through_the_one_command():
     found = recipes()
     assert {"cluster-up", "token", "bench", "test"} <= set(found), sorted(found)
     python = [(t, line) for t, lines in found.items() for line in lines
-              if "$(PY)" in line or "$(PYTHON)" in line]
+              if "$(PY)" in line or "$(PYTHON)" in line or "$(DLC)" in line]
     assert len(python) >= 20, python
     # what may run Python besides the operator's command: the test tiers (pytest, the suite's runner
     # and its check for what the tiers left behind)
-    allowed = r"\$\(PY(THON)?\) -m (dlcluster \S+|pytest )|\$\(PY\) scripts/(test_suite|leftovers)\.py "
+    allowed = r"\$\(DLC\) \S+|\$\(PY\) -m pytest |\$\(PY\) scripts/(test_suite|leftovers)\.py "
     stray = [(t, line) for t, line in python if not re.search(allowed, line)]
     assert stray == [], stray
     # and each command is the one its Make target calls, under the name the help gives
     for name, command in cli.COMMANDS.items():
         lines = found[command.target]
-        assert any(re.search(rf"-m dlcluster {re.escape(name)}( |$)", line) for line in lines), (name, lines)
+        assert any(re.search(rf"\$\(DLC\) {re.escape(name)}( |$)", line) for line in lines), (name, lines)
     for t, line in python:
-        if m := re.search(r"-m dlcluster (\S+)", line):
+        if m := re.search(r"\$\(DLC\) (\S+)", line):
             assert m.group(1) in cli.COMMANDS, (t, line)
 
 
@@ -62,8 +66,8 @@ def test_help_lists_every_command_with_what_it_changes():
         first = proc.stdout.splitlines()[0]
         want = f"dlcluster {name} (make {command.target}): {command.changes}"
         assert proc.returncode == 0 and first == want, (name, proc.stdout[-500:], proc.stderr[-1500:])
-        if command.flags:  # then the program's own flags, from its parser
-            assert "usage: " in proc.stdout and "--help" in proc.stdout, (name, proc.stdout[-500:])
+        # then the command's own flags, from its parser
+        assert "usage: " in proc.stdout and "--help" in proc.stdout, (name, proc.stdout[-500:])
 
 
 def test_an_unknown_command_is_one_line_naming_the_known_ones():
@@ -73,17 +77,22 @@ def test_an_unknown_command_is_one_line_naming_the_known_ones():
     assert "invalid choice: 'tokn'" in line and "'token'" in line and "'submit'" in line, line
 
 
-def test_a_command_of_another_checkout_refuses_before_it_runs(tmp_path):
-    """The venv's dlcluster may be another checkout's: run from this one, it says so and does nothing."""
-    (tmp_path / "versions.env").write_text("")
-    (tmp_path / "ansible").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DLC_CONFIG": str(tmp_path / "config")}
-    proc = dlcluster("up", cwd=tmp_path, env=env)
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.strip() == (f"dlcluster: this command is the checkout {REPO}'s, run from the checkout "
-                                   f"{tmp_path}: run `.venv/bin/python -m dlcluster` from {tmp_path}'s root "
-                                   "(or its make targets)")
-    assert not (tmp_path / "config").exists()
+def test_the_command_is_installed_and_runs_this_checkouts_code():
+    """pyproject's console script in .venv (make setup, editable): the packages it imports are this
+    checkout's files, whatever folder it runs from; git tracks no link (jobs/ reached the harness
+    through one)."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="dlcluster")
+    assert script.value == "dlcluster.cli:main"
+    where = subprocess.run([sys.executable, "-c", "import dlcluster, trainkit; print(dlcluster.__file__); "
+                            "print(trainkit.__file__)"], cwd="/", capture_output=True, text=True, check=True)
+    assert where.stdout.split() == [str(REPO / "dlcluster/__init__.py"), str(REPO / "trainkit/__init__.py")]
+    index = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True)
+    links = [line for line in index.stdout.splitlines() if line.startswith("120000")]
+    assert links == []
+    proc = dlcluster("remove-node", "--help", cwd=Path("/"))
+    assert proc.returncode == 0 and "--inventory PATH" in proc.stdout and "NODE" in proc.stdout, proc.stdout
 
 
 def test_a_command_runs_its_program_with_the_flags_given(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DLCLUSTER = str(Path(sys.executable).parent / "dlcluster")  # the installed command (make setup)
 ANSIBLE = REPO / "ansible"
 sys.path.insert(0, str(ANSIBLE / "filter_plugins"))
 
@@ -261,7 +262,7 @@ def test_cluster_up_stops_on_the_first_check_before_any_connection(tmp_path, edi
     # a key that does not exist: had the checks passed, the run would stop there, still offline
     (folder / "hosts.yml").write_text(edit(EXAMPLE).replace("~/.ssh/id_ed25519", str(tmp_path / "no-key")))
     env = {**os.environ, "DLC_CONFIG": str(tmp_path / "config"), "INVENTORY": str(folder / "hosts.yml")}
-    proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([DLCLUSTER, "up"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
@@ -278,7 +279,7 @@ def test_a_cluster_name_or_config_folder_not_one_word_is_refused_first(tmp_path,
     (tmp_path / folder / "hosts.yml").write_text(EXAMPLE)
     env = {**os.environ, "DLC_CONFIG": str(tmp_path / config),
            "INVENTORY": str(tmp_path / folder / "hosts.yml")}
-    proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([DLCLUSTER, "up"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expect), proc.stderr
     assert not (tmp_path / config / "clusters").exists()  # nothing written
@@ -301,7 +302,7 @@ def test_the_tunnels_local_ends_are_checked_first(tmp_path, ports, expect):
     for name in ("DASHBOARD_PORT", "METRICS_PORT", "GRAFANA_PORT", "TRACKING_PORT"):
         if name not in ports:
             env.pop(name, None)  # make's defaults: 8265, 9090, 3000, 5000
-    proc = subprocess.run(["scripts/cluster.sh", "up"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([DLCLUSTER, "up"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expect), proc.stderr
     assert not (tmp_path / "config").exists()  # nothing written

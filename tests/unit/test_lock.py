@@ -55,8 +55,11 @@ def test_the_lock_holds_every_pin_of_pyproject_at_its_version():
 
 
 def test_the_virtualenv_is_the_lock():
-    """What make setup installed is what the lock says, package for package (pip's own aside)."""
-    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})  # not what ray
+    """What make setup installed is what the lock says, package for package (pip's own aside; the
+    checkout's .venv adds this project's own, over the cached environment)."""
+    base = Path(sys.prefix) / "base"  # .venv/base: the cached environment
+    paths = sysconfig.get_paths(vars={"base": str(base), "platbase": str(base)})
+    site = sorted({sysconfig.get_paths()["purelib"], paths["purelib"], paths["platlib"]})  # not what ray
     # adds to sys.path (its vendored thirdparty_files)
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=site)}
     assert {n: installed.get(n) for n in LOCKED} == LOCKED

@@ -26,7 +26,6 @@ def own_job(checkout: Path, home: Path, *args: str) -> subprocess.CompletedProce
 def checkout_with_the_example(tmp_path: Path) -> Path:
     checkout = tmp_path / "checkout"
     (checkout / "jobs").mkdir(parents=True)
-    (checkout / "jobs/trainkit").symlink_to(REPO / "trainkit")  # as jobs/trainkit is in the repo
     shutil.copy(EXAMPLE, checkout / "jobs/tabular_regression.py")
     return checkout
 

@@ -221,7 +221,7 @@ def test_the_command_line(tmp_path):
 
 def test_the_client_env_is_read_as_data_never_run(tmp_path):
     """A value with shell syntax in it (here a token path) reaches `ray job submit` as it is:
-    `source ray-client.env` and ray/submit.sh both read it as text, and nothing it names runs."""
+    `source ray-client.env` and dlcluster submit both read it as data, and nothing it names runs."""
     import shlex
     import subprocess
 
@@ -236,7 +236,8 @@ def test_the_client_env_is_read_as_data_never_run(tmp_path):
                              capture_output=True, text=True, check=True).stdout
     assert sourced == odd and not marker.exists()
     # make submit: the env parsed, then one line (nothing answers on port 9), nothing run
-    proc = subprocess.run(["ray/submit.sh", "ddp_autoencoder"], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([str(Path(sys.executable).parent / "dlcluster"), "submit", "ddp_autoencoder"],
+                          cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "DLC_CONFIG": str(tmp_path)}, timeout=120)
     assert proc.returncode == 2 and not marker.exists(), proc.stderr
     assert proc.stderr.strip() == ("submit: error: nothing answers on the job API http://127.0.0.1:9 of "

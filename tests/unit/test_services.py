@@ -1,6 +1,6 @@
 """The services reached through the tunnel, declared once (roles/cluster_defaults's `dlc_services`): every
 consumer agrees with the list, and a fifth service added to the list alone reaches the control
-role's tunnel and held-port check and scripts/cluster.sh's arguments."""
+role's tunnel and held-port check and the lifecycle's arguments (dlcluster/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def test_the_makefile_and_the_readme_give_each_service_its_default():
 
 
 def test_no_consumer_lists_the_services_by_hand():
-    """scripts/cluster.sh and the control_host role's tasks loop over the list: none names a service's
+    """dlcluster's lifecycle and the control_host role's tasks loop over the list: none names a service's
     Make variable or tunnel variable itself (the record's probes, one per service, may)."""
-    cluster_sh = (REPO / "scripts/cluster.sh").read_text()
+    cluster_sh = (REPO / "dlcluster/lifecycle.py").read_text()
     tunnel = (ANSIBLE / "roles/control_host/tasks/tunnel.yml").read_text()
     held = (ANSIBLE / "roles/control_host/tasks/main.yml").read_text()
     for s in services.services():
@@ -68,11 +68,12 @@ def test_no_consumer_lists_the_services_by_hand():
      ["dlc_tunnel_port=18265", "dlc_metrics_tunnel_port=9090", "dlc_grafana_tunnel_port=3000",
       "dlc_tracking_tunnel_port=15000"]),
 ])
-def test_cluster_sh_gets_one_argument_per_service(env, expect):
-    clean = {k: v for k, v in os.environ.items() if not k.endswith("_PORT")}
-    proc = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "dlcluster.services", "tunnel-args"],
-                          cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.split() == expect, proc.stderr
+def test_the_playbook_gets_one_tunnel_end_per_service(env, expect, monkeypatch):
+    for k in [k for k in os.environ if k.endswith("_PORT")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert [f"{var}={port}" for var, port in services.tunnel_ends().items()] == expect
 
 
 FIFTH = """\

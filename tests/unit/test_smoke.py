@@ -212,6 +212,22 @@ def test_agents_and_pinned_tasks():
     assert problems[0].endswith("a task pinned to it failed: RuntimeError: boom")
 
 
+def test_a_process_that_ran_an_installed_harness_instead_of_the_upload_is_named():
+    upload = "/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_0f1e"
+    nodes = [ray_node(1, 0, head=True), ray_node(1, 0)]
+    for n in nodes:
+        n["task"] = {"harness": f"{upload}/trainkit", "working_dir": upload}
+    payload = {"nodes": nodes, "driver": {"harness": f"{upload}/trainkit", "working_dir": upload}}
+    assert lib.node_problems(payload, local_rec().nodes) == []
+    nodes[1]["task"]["harness"] = "/opt/dlcluster/trainkit"  # the image's copy first on the path
+    payload["driver"]["harness"] = "/work/checkout/trainkit"
+    (driver, node) = lib.node_problems(payload, local_rec().nodes)
+    assert driver == (f"the driver: it imported the harness from /work/checkout/trainkit, not from the "
+                      f"job's upload ({upload}): an installed copy shadows the code submitted "
+                      "(PYTHONPATH, or a .pth file before it)")
+    assert "it imported the harness from /opt/dlcluster/trainkit, not from the job's upload" in node
+
+
 # ------------------------------------------------------------------ trainers
 @pytest.mark.parametrize("workers", [1, 2, 3, 4, 7, 8, 16, 32, 64])
 def test_trainer_flags_give_every_worker_a_whole_batch(workers):

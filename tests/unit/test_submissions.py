@@ -39,7 +39,7 @@ def test_each_submission_is_kept_under_the_clusters_folder_with_its_own_id(confi
 
 
 def resume(config: Path, run: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlcluster.submissions", "resume", run], cwd=REPO,
+    return subprocess.run([str(Path(sys.executable).parent / "dlcluster"), "resume", run], cwd=REPO,
                           env={**os.environ, "DLC_CONFIG": str(config)}, capture_output=True, text=True)
 
 
@@ -63,7 +63,8 @@ def test_resuming_without_a_cluster_record_is_one_line(tmp_path):
 
 
 def test_make_resume_without_run_is_one_line():
-    proc = subprocess.run(["ray/submit.sh", "--resume", ""], cwd=REPO, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "RUN"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "dlcluster"), "resume"], cwd=REPO, env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("submit: error: usage: ray/submit.sh --resume RUN (make resume "
-                                   "RUN=<the run's name>)")
+    assert proc.stderr.strip() == "resume: error: name the run: make resume RUN=<the run's name>"

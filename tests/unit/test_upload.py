@@ -69,13 +69,13 @@ def test_the_upload_leaves_keys_inventories_venvs_and_git_history_behind(tmp_pat
     zipfile.ZipFile(tmp_path / "pkg.zip").extractall(unpacked)
     head = _git("rev-parse", "HEAD", cwd=clone).strip()
     assert onnx_export.uploaded_commit(unpacked / ".git") == head
-    # as a job on the cluster sees it: jobs/trainkit arrives as a folder (Ray copies symlinks)
-    assert (unpacked / "jobs/trainkit").is_dir() and not (unpacked / "jobs/trainkit").is_symlink()
+    # as a job on the cluster sees it: its working dir first on PYTHONPATH (Ray sets it), so the
+    # uploaded harness wins over the one make setup installed, and it finds the commit in the upload
     env = {k: v for k, v in os.environ.items() if k not in ("DLC_SUBMIT_COMMIT", "DLC_GIT_COMMIT")}
-    probe = "from trainkit import onnx_export as o; print(o.git_commit())"
-    seen = subprocess.run([sys.executable, "-c", probe], cwd=unpacked / "jobs", env=env,
-                          capture_output=True, text=True, check=True)
-    assert seen.stdout.strip() == head
+    probe = "from trainkit import onnx_export as o; print(o.__file__); print(o.git_commit())"
+    seen = subprocess.run([sys.executable, "-c", probe], cwd=unpacked, capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(unpacked)}, check=True)
+    assert seen.stdout.split() == [str(unpacked / "trainkit/onnx_export.py"), head]
 
 
 def test_commit_from_packed_refs_a_detached_head_or_nothing(tmp_path):
@@ -100,7 +100,7 @@ def test_the_package_a_job_ran_is_named_from_its_job_config(monkeypatch):
 
 def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path):
     """`make submit`'s upload (dlcluster/upload.py, then Ray's packaging of that folder with the
-    ignore rules off, as ray/submit.sh runs it): the tracked files as they are in the working
+    ignore rules off, as dlcluster submit runs it): the tracked files as they are in the working
     tree, the named ones, the commit; no secret whatever its name, no file never added."""
     from dlcluster import upload
 
@@ -116,6 +116,8 @@ def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path)
     job.write_text(job.read_text() + "# edited\n")
     (clone / "notes").mkdir()
     (clone / "notes/small.csv").write_text("a,b\n1,2\n")
+    (clone / "jobs/harness").symlink_to("../trainkit")  # a tracked link to a folder that travels
+    _git("add", "jobs/harness", cwd=clone)
 
     stage = tmp_path / "stage"
     stage.mkdir()
@@ -124,7 +126,7 @@ def test_make_submit_stages_only_what_git_tracks_and_what_upload_names(tmp_path)
     assert set(files) == tracked | {"notes/small.csv"}
     # an edit not yet committed travels (the commit's name then says -dirty: make submit)
     assert (stage / "jobs/ddp_autoencoder.py").read_text().endswith("# edited\n")
-    assert (stage / "jobs/trainkit").is_symlink()
+    assert (stage / "jobs/harness").is_symlink()
     _zip_files(str(stage), [], str(tmp_path / "pkg.zip"), include_gitignore=False)
     names = {n.rstrip("/") for n in zipfile.ZipFile(tmp_path / "pkg.zip").namelist()}
     for name in dropped:

@@ -1,6 +1,5 @@
-"""Print the one line that says why a playbook run failed, from its log.
+"""The one line that says why a playbook run failed, from its log (dlcluster/lifecycle.py prints it).
 
-usage: ansible_failure.py LOG WHAT
 Reads Ansible's output (the default callback, results as YAML), takes the last `fatal:` result
 and prints `WHAT: error: [host] <its msg> (log: LOG)`; a failure before any task ran (a bad
 inventory, a syntax error) prints Ansible's own ERROR line instead. When some servers were
@@ -9,7 +8,7 @@ without saying so.
 """
 
 import re
-import sys
+from pathlib import Path
 
 import yaml
 
@@ -55,19 +54,13 @@ def changed_hosts(text: str) -> dict[str, int]:
     return out
 
 
-def main() -> int:
-    log, what = sys.argv[1], sys.argv[2]
-    with open(log, errors="replace") as f:
-        text = f.read()
+def summary(log: Path, what: str) -> str:
+    """`WHAT: error: [host] <its msg> (log: LOG)`, and the servers changed before it stopped."""
+    text = log.read_text(errors="replace")
     line = failure(text) or "the playbook failed"
     changed = changed_hosts(text)
     if changed:
         done = ", ".join(f"{h} ({n} changes)" for h, n in changed.items())
         line += (f"; already changed before it stopped: {done}; once fixed, run it again: it "
                  f"continues where it stopped")
-    print(f"{what}: error: {line} (log: {log})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return f"{what}: error: {line} (log: {log})"
