@@ -55,7 +55,7 @@ class Node(BaseModel):
 
     @field_validator("ip")
     @classmethod
-    def _ip(cls, v):
+    def _ip(cls, v: str | None) -> str | None:
         if v is not None:
             ipaddress.ip_address(v)
         return v
@@ -118,13 +118,13 @@ class ClusterRecord(BaseModel):
 
     @field_validator("token_path", "ssh_config", "grafana_password_path", "tracking_auth_path")
     @classmethod
-    def _absolute(cls, v):
+    def _absolute(cls, v: str | None) -> str | None:
         if v is not None and not Path(v).is_absolute():
             raise ValueError(f"must be an absolute path, not {v!r}")
         return v
 
     @model_validator(mode="after")
-    def _whole(self):
+    def _whole(self) -> ClusterRecord:
         if (self.ssh_config is None) != (self.bastion is None):
             raise ValueError("ssh_config and bastion are set together (or both null)")
         names = Counter(n.name for n in self.nodes)

@@ -56,7 +56,7 @@ class AutoencoderConfig:
     val: list[int]
 
 
-class DDPAutoencoder(TorchJob):
+class DDPAutoencoder(TorchJob[AutoencoderConfig]):
     name = "ddp_autoencoder"
     description = __doc__.split("\n\n")[0]
     packages = ("torchvision", "onnxscript")

@@ -106,7 +106,7 @@ def check_model_dir(folder: Path) -> None:
                         "whole save_pretrained folder, or leave --model out to train from scratch")
 
 
-class FinetuneLM(TorchJob):
+class FinetuneLM(TorchJob[LMConfig]):
     name = "finetune_lm"
     description = __doc__.split("\n\n")[0]
     packages = ("transformers", "onnxscript")

@@ -60,7 +60,7 @@ class MNISTConfig:
     train_size: int
 
 
-class HorovodMNIST(TorchJob):
+class HorovodMNIST(TorchJob[MNISTConfig]):
     name = "horovod_mnist"
     description = __doc__.split("\n\n")[0]
     trainer = "horovod"

@@ -67,7 +67,7 @@ def load_images(data_folder: str | None, per_class: int):
     return data.load_two_class_folder(data_folder, SIZE, per_class)
 
 
-class TFCNN(KerasJob):
+class TFCNN(KerasJob[CNNConfig]):
     name = "tf_cnn"
     description = __doc__.split("\n\n")[0]
     batch_size, epochs, lr = 16, 2, 1e-4

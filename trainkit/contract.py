@@ -124,11 +124,6 @@ class Exported:
     manifest: dict = field(default_factory=dict)
 
 
-# a job's configuration: the dataclass its `prepare` returns (its own type, e.g. `AutoencoderConfig`),
-# checked once on the driver and sent to every rank
-JobConfig = Any
-
-
 # what Run holds that is not the run's settings: left out of the manifest's "run"
 RUN_REPORTERS = ("attempts", "timeline", "tracking", "tracking_off")
 
@@ -155,19 +150,24 @@ class Run:
     tracking_off: str = ""
 
     @classmethod
-    def from_flags(cls, job: Job, args: argparse.Namespace, launcher: str, use_gpu: bool,
-                   attempts=None, timeline: Timeline | None = None) -> Run:
-        return cls(job.name, args.name, launcher, args.storage_path, args.output, args.epochs,
-                   args.batch_size, args.lr, use_gpu, args.keep_checkpoints, attempts, timeline)
+    def from_flags(cls, job: Job[W, C], settings: flags.RunFlags, launcher: str, use_gpu: bool,
+                   attempts: Any = None, timeline: Timeline | None = None) -> Run:
+        """The run of resolved flags (RunFlags.resolved)."""
+        return cls(job=job.name, name=settings.name, launcher=launcher, storage_path=settings.storage_path,
+                   output=settings.output, epochs=settings.epochs, batch_size=settings.batch_size,
+                   lr=settings.lr, use_gpu=use_gpu, keep_checkpoints=settings.keep_checkpoints,
+                   attempts=attempts, timeline=timeline)
 
 
 W = TypeVar("W", bound=World)  # the framework's World
+C = TypeVar("C")  # the job's configuration: the dataclass its `prepare` returns (e.g. `AutoencoderConfig`),
+# checked once on the driver and sent to every rank
 
 
-class Job(Generic[W]):
+class Job(Generic[W, C]):
     """What a job is: its name, frameworks and defaults here; its flags, data, model and step in
-    the subclass. The framework base classes (`TorchJob`, `KerasJob`) supply `world`, `fit`,
-    `load` and `export`."""
+    the subclass, its configuration of type C. The framework base classes (`TorchJob`, `KerasJob`)
+    supply `world`, `fit`, `load` and `export`."""
 
     name: str
     description: str
@@ -187,30 +187,36 @@ class Job(Generic[W]):
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         """The job's own flags."""
 
-    def prepare(self, args: argparse.Namespace) -> JobConfig:
-        """Check the job's own flags and its data (one-line UserError); the config every rank gets
-        (the job's own dataclass)."""
+    def prepare(self, args: argparse.Namespace) -> C:
+        """Check the job's own flags (those it added: `args` holds them beside the shared ones) and
+        its data (one-line UserError); the config every rank gets (the job's own dataclass)."""
         raise NotImplementedError
 
-    def describe(self, config: JobConfig) -> str:
+    def describe(self, config: C) -> str:
         raise NotImplementedError
 
-    def train_size(self, config: JobConfig) -> int:
+    def train_size(self, config: C) -> int:
         raise NotImplementedError
 
-    def signature(self, config: JobConfig) -> dict:
+    def signature(self, config: C) -> dict:
         """What a checkpoint must match to be resumed (model and data shapes)."""
         return {}
 
-    def held_out(self, config: JobConfig) -> np.ndarray:
+    def held_out(self, config: C) -> np.ndarray:
         """Inputs the ONNX model is checked on against the framework (float32, a batch)."""
         raise NotImplementedError
 
-    def launcher(self, args: argparse.Namespace) -> str:
-        """The launcher this run uses: --launcher, else what the environment shows."""
-        return launch.choose(args.launcher, self.launchers, self.name)
+    def launcher(self, settings: flags.RunFlags, args: argparse.Namespace) -> str:
+        """The launcher this run uses: --launcher, else what the environment shows (`args`: the
+        job's own flags, where they decide it)."""
+        return launch.choose(settings.launcher, self.launchers, self.name)
 
-    def manifest(self, config: JobConfig, run: Run) -> dict:
+    def parameter_servers(self, args: argparse.Namespace) -> int:
+        """How many parameter servers a run on Ray starts beside its workers (its own flags say;
+        0: none, its workers are a Ray trainer's)."""
+        return 0
+
+    def manifest(self, config: C, run: Run) -> dict:
         """Further fields for the manifest."""
         return {}
 
@@ -218,15 +224,15 @@ class Job(Generic[W]):
     def world(self, launcher: str, use_gpu: flags.UseGpu) -> W:
         raise NotImplementedError
 
-    def fit(self, run: Run, config: JobConfig, world: W | None = None) -> None:
+    def fit(self, run: Run, config: C, world: W | None = None) -> None:
         raise NotImplementedError
 
-    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path) -> Exported:
+    def export(self, folder: Path, config: C, inputs: np.ndarray, output: Path) -> Exported:
         """Load the checkpoint in `folder` and export it (staged in `output`)."""
         raise NotImplementedError
 
     # ---- shared by the frameworks' loops
-    def store(self, run: Run, config: JobConfig, world: World) -> Store:
+    def store(self, run: Run, config: C, world: World) -> Store:
         """Where this rank saves and restores: Ray Train's checkpoints, or the run's folder."""
         if run.launcher == "ray":  # Ray keeps run.keep_checkpoints (CheckpointConfig)
             return RayStore(self.name, run.name, self.signature(config), world.rank)

@@ -16,8 +16,11 @@ import re
 import secrets
 import time
 import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, NoReturn
 
 LAUNCHERS = ("auto", "ray", "torchrun", "horovodrun", "tf_config", "local")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD")
@@ -55,14 +58,14 @@ def default_name(job: str) -> str:
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, except where the help text says it (default None)."""
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         return action.help if action.default is None else super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with one line for a bad flag (`prog: error: argument --x: why`), no usage dump."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see --help\n")
 
 
@@ -85,11 +88,12 @@ class UseGpuAction(argparse.Action):
     """Stores --use-gpu as a UseGpu, after argparse checked it against the choices (so a bad
     value is argparse's own `invalid choice` line)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, UseGpu(values))
 
 
-def _number(text: str, kind, ok, rule: str):
+def _number(text: str, kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str) -> Any:
     """`text` as `kind` (int or float) meeting `ok`, else argparse's error: what is wrong."""
     try:
         value = kind(text)
@@ -174,53 +178,102 @@ def location(text: str) -> str:
     return str(Path(text).expanduser().resolve())
 
 
+# ------------------------------------------------------------------ the shared flags
+def _flag(**argparse_spec: object) -> Any:
+    """A RunFlags field: its flag's argparse spec (type, default, choices, help) as the field's
+    metadata; {job} and {worker_help} in the help are the job's."""
+    return field(metadata={"flag": argparse_spec})
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags every job shares, parsed and checked: they build the parser (each field's metadata
+    is its flag) and travel, typed, from the command line to the launchers, the run (`Run`) and its
+    tracking. A job's own flags stay with it (`Job.prepare`). `name`, `storage_path` and `output`
+    are "" until `resolved` fills in their defaults."""
+
+    num_workers: int | tuple[int, int] = _flag(
+        type=num_workers, default="auto",
+        help="{worker_help} on Ray: a count, MIN-MAX (elastic: a run goes on with the nodes that are "
+             "left, at least MIN), or auto: one per GPU, else one per node (under "
+             "torchrun/horovodrun/TF_CONFIG the launcher decides)")
+    batch_size: int = _flag(type=positive_int, help="batch size per worker")
+    epochs: int = _flag(type=positive_int, help="epochs in all; a resumed run trains the missing ones")
+    lr: float = _flag(type=learning_rate, help="learning rate")
+    use_gpu: UseGpu = _flag(
+        default=UseGpu.AUTO, choices=[u.value for u in UseGpu], action=UseGpuAction,
+        help="train on GPUs (NCCL) or CPUs (gloo); auto: GPUs when there is one per worker")
+    launcher: str = _flag(
+        default="auto",
+        help="who starts the workers; auto: found from the environment (a Ray job, torchrun's "
+             "RANK/WORLD_SIZE, horovodrun's HOROVOD_RANK, TF_CONFIG), else one local process")
+    storage_path: str = _flag(
+        type=location, default=None,
+        help="runs and checkpoints (a path or a URI such as s3://...); storage every node sees on a "
+             "multi-node cluster (default: $DLC_STORAGE_PATH or ~/dlcluster/runs)")
+    name: str = _flag(
+        type=run_name, default=None,
+        help="run name (default: {job}-<date>-<time>-<4 hex>); a rerun with the same name resumes "
+             "from its latest checkpoint")
+    output: str = _flag(
+        type=location, default=None,
+        help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> or "
+             "~/dlcluster/models/<name>)")
+    max_failures: int = _flag(
+        type=failures, default=3,
+        help="on Ray: how often a lost worker or node restarts the workers from the latest checkpoint "
+             "before the run fails; -1: without limit")
+    keep_checkpoints: int = _flag(
+        type=positive_int, default=3, help="checkpoints kept per run (the newest); older ones are deleted")
+    placement: str = _flag(
+        default="SPREAD", choices=PLACEMENTS,
+        help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK (on as few as it "
+             "can), STRICT_SPREAD (one per node; workers <= nodes)")
+    tracking: str = _flag(
+        type=tracking, default="auto", metavar="URL|off|auto",
+        help="the MLflow tracking server rank 0 logs the run to; auto: the cluster's (DLC_TRACKING_URL "
+             "on its nodes, else the cluster record), else off")
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunFlags:
+        """The shared flags out of a parsed command line (a flag not given: "")."""
+        values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)}
+        for unset in [k for k, v in values.items() if v is None]:
+            values[unset] = ""
+        return cls(**values)
+
+    def resolved(self, job: str, name: str | None = None) -> RunFlags:
+        """The defaults that depend on the environment or on the run name filled in (`name`: one
+        the ranks agreed on)."""
+        name = name or self.name or default_name(job)
+        return replace(self, name=name, storage_path=self.storage_path or location(default_storage()),
+                       output=self.output or location(default_output(name)))
+
+    def params(self) -> dict[str, str]:
+        """Each flag as the run history records it (a param each)."""
+        return {f.name: str(getattr(self, f.name)) for f in fields(self)}
+
+
+def own_params(args: argparse.Namespace) -> dict[str, str]:
+    """A job's own flags (those RunFlags does not hold) as the run history records them."""
+    shared = {f.name for f in fields(RunFlags)}
+    return {k: "" if v is None else str(v) for k, v in vars(args).items() if k not in shared}
+
+
 # ------------------------------------------------------------------ the parser
 def parser(job: str, description: str, *, batch_size: int, epochs: int, lr: float,
            launchers: tuple[str, ...], worker_help: str = "data-parallel workers (one process each)"
            ) -> argparse.ArgumentParser:
-    """A job's parser with the shared flags; the job adds its own before parsing."""
+    """A job's parser with the shared flags (RunFlags' fields, the job's defaults for batch size,
+    epochs and learning rate, its launchers); the job adds its own before parsing."""
     p = Parser(prog=job, description=description, formatter_class=HelpFormatter)
-    p.add_argument("--num-workers", type=num_workers, default="auto",
-                   help=f"{worker_help} on Ray: a count, MIN-MAX (elastic: a run goes on with the "
-                        "nodes that are left, at least MIN), or auto: one per GPU, else one per "
-                        "node (under torchrun/horovodrun/TF_CONFIG the launcher decides)")
-    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="batch size per worker")
-    p.add_argument("--epochs", type=positive_int, default=epochs,
-                   help="epochs in all; a resumed run trains the missing ones")
-    p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
-    p.add_argument("--use-gpu", default=UseGpu.AUTO, choices=[u.value for u in UseGpu], action=UseGpuAction,
-                   help="train on GPUs (NCCL) or CPUs (gloo); auto: GPUs when there is one per worker")
-    p.add_argument("--launcher", default="auto", choices=("auto", *launchers),
-                   help="who starts the workers; auto: found from the environment (a Ray job, "
-                        "torchrun's RANK/WORLD_SIZE, horovodrun's HOROVOD_RANK, TF_CONFIG), else "
-                        "one local process")
-    p.add_argument("--storage-path", type=location, default=None,
-                   help="runs and checkpoints (a path or a URI such as s3://...); storage every "
-                        "node sees on a multi-node cluster (default: $DLC_STORAGE_PATH or "
-                        "~/dlcluster/runs)")
-    p.add_argument("--name", type=run_name, default=None,
-                   help=f"run name (default: {job}-<date>-<time>-<4 hex>); a rerun with the same "
-                        "name resumes from its latest checkpoint")
-    p.add_argument("--output", type=location, default=None,
-                   help="folder for model.onnx and manifest.json (default: $DLC_MODELS/<name> or "
-                        "~/dlcluster/models/<name>)")
-    p.add_argument("--max-failures", type=failures, default=3,
-                   help="on Ray: how often a lost worker or node restarts the workers from the "
-                        "latest checkpoint before the run fails; -1: without limit")
-    p.add_argument("--keep-checkpoints", type=positive_int, default=3,
-                   help="checkpoints kept per run (the newest); older ones are deleted")
-    p.add_argument("--placement", default="SPREAD", choices=PLACEMENTS,
-                   help="how Ray places the workers: SPREAD (over as many nodes as it can), PACK "
-                        "(on as few as it can), STRICT_SPREAD (one per node; workers <= nodes)")
-    p.add_argument("--tracking", type=tracking, default="auto", metavar="URL|off|auto",
-                   help="the MLflow tracking server rank 0 logs the run to; auto: the cluster's "
-                        "(DLC_TRACKING_URL on its nodes, else the cluster record), else off")
+    job_defaults: dict[str, object] = {"batch_size": batch_size, "epochs": epochs, "lr": lr}
+    for f in fields(RunFlags):
+        spec = dict(f.metadata["flag"])
+        spec["help"] = str(spec["help"]).format(job=job, worker_help=worker_help)
+        if f.name in job_defaults:
+            spec["default"] = job_defaults[f.name]
+        if f.name == "launcher":
+            spec["choices"] = ("auto", *launchers)
+        p.add_argument("--" + f.name.replace("_", "-"), **spec)  # type: ignore[arg-type]
     return p
-
-
-def resolve(args: argparse.Namespace, job: str) -> argparse.Namespace:
-    """Fill in the defaults that depend on the environment or on the run name."""
-    args.name = args.name or default_name(job)
-    args.storage_path = args.storage_path or location(default_storage())
-    args.output = args.output or location(default_output(args.name))
-    return args

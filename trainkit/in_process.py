@@ -4,22 +4,24 @@ launcher started the process; this module is what happens under each but Ray.)""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
+from collections.abc import Callable
 
 from . import cluster, flags, tracking
-from .contract import Job, Run, Timeline, World
+from .contract import C, Job, Run, Timeline, W
 from .onnx_export import Published
 from .progress import say
 from .publish import publish
 from .store import hold_run
 
 
-def train_in_process(job: Job, args: argparse.Namespace, launcher: str) -> Published | None:
-    """This process is one rank of a plain launcher (or the only one): train, then rank 0 publishes."""
-    world = job.world(launcher, args.use_gpu)
-    published = _train_then_publish(job, args, launcher, world)
+def train_in_process(job: Job[W, C], settings: flags.RunFlags, prepare: Callable[[], C], launcher: str,
+                     own: dict[str, str]) -> Published | None:
+    """This process is one rank of a plain launcher (or the only one): train, then rank 0 publishes.
+    `prepare`: the job's config from its own flags (`own`: them as the run history records them)."""
+    world = job.world(launcher, settings.use_gpu)
+    published = _train_then_publish(job, settings, prepare, launcher, own, world)
     # Every rank leaves together, after rank 0 has published (a rank that tore its group down
     # while rank 0 was still exporting could abort). A failed rank skips this: it raises at once
     # and the launcher stops the others, where a barrier could only hang.
@@ -27,14 +29,14 @@ def train_in_process(job: Job, args: argparse.Namespace, launcher: str) -> Publi
     return published
 
 
-def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
-                        world: World) -> Published | None:
-    args.name = world.agree(args.name or flags.default_name(job.name))  # one name on every rank
-    flags.resolve(args, job.name)
-    config = job.prepare(args)
-    cluster.check_batch(args.batch_size, job.train_size(config), world.size)
+def _train_then_publish(job: Job[W, C], settings: flags.RunFlags, prepare: Callable[[], C], launcher: str,
+                        own: dict[str, str], world: W) -> Published | None:
+    # one name on every rank
+    settings = settings.resolved(job.name, world.agree(settings.name or flags.default_name(job.name)))
+    config = prepare()
+    cluster.check_batch(settings.batch_size, job.train_size(config), world.size)
     timeline = Timeline()
-    run = Run.from_flags(job, args, launcher, world.use_gpu, timeline=timeline)
+    run = Run.from_flags(job, settings, launcher, world.use_gpu, timeline=timeline)
     timeline.mark_prepared()
     if world.rank == 0:
         who = world.describe() if hasattr(world, "describe") else f"{world.size} process(es)"
@@ -44,7 +46,7 @@ def _train_then_publish(job: Job, args: argparse.Namespace, launcher: str,
     # rank 0 holds the run's folder: a second run of this --name is one line (its ranks then stop)
     with hold_run(run.storage_path, run.name) if world.rank == 0 else contextlib.nullcontext():
         if world.rank == 0:
-            run = tracking.start(job, args, run, world.size)
+            run = tracking.start(job, settings, own, run, world.size)
         with tracking.ended_if_failed(run):
             job.fit(run, config, world)
             if world.rank != 0:

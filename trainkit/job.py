@@ -23,19 +23,19 @@ import argparse
 from typing import TYPE_CHECKING
 
 from . import flags, in_process, on_ray
-from .contract import Job
+from .contract import C, Job, W
 from .errors import run_main
 
 if TYPE_CHECKING:
     from .onnx_export import Published
 
 
-def run_from_command_line(job: Job, argv: list[str] | None = None) -> None:
+def run_from_command_line(job: Job[W, C], argv: list[str] | None = None) -> None:
     """A job file's entry point: train_and_publish() with bad input turned into one line and exit 2."""
     run_main(lambda: train_and_publish(job, argv), job.name)
 
 
-def parse_flags(job: Job, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_flags(job: Job[W, C], argv: list[str] | None = None) -> argparse.Namespace:
     """The shared flags and the job's own, parsed (a bad value: one line, exit 2)."""
     p = flags.parser(job.name, job.description, batch_size=job.batch_size, epochs=job.epochs,
                      lr=job.lr, launchers=job.launchers, worker_help=job.worker_help)
@@ -43,10 +43,13 @@ def parse_flags(job: Job, argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train_and_publish(job: Job, argv: list[str] | None = None) -> Published | None:
-    """Train and publish; the published model and manifest as data (None on ranks other than 0)."""
+def train_and_publish(job: Job[W, C], argv: list[str] | None = None) -> Published | None:
+    """Train and publish; the published model and manifest as data (None on ranks other than 0).
+    From here on the shared flags travel typed (RunFlags), the job's own as its config (C)."""
     args = parse_flags(job, argv)
-    launcher = job.launcher(args)
+    settings = flags.RunFlags.of(args)
+    launcher = job.launcher(settings, args)
+    own = flags.own_params(args)  # what the run history records beside the shared flags
     if launcher == "ray":
-        return on_ray.train_on_ray(job, args)
-    return in_process.train_in_process(job, args, launcher)
+        return on_ray.train_on_ray(job, settings, lambda: job.prepare(args), job.parameter_servers(args), own)
+    return in_process.train_in_process(job, settings, lambda: job.prepare(args), launcher, own)

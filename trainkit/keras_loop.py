@@ -17,13 +17,14 @@ host's time between steps.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import launch
-from .contract import Exported, Job, JobConfig, Run
+from . import flags, launch
+from .contract import C, Exported, Job, Run
 from .errors import UserError
 from .flags import UseGpu, positive_int
 from .keras_base import WEIGHTS, StepTimedReport, load
@@ -92,7 +93,7 @@ class KerasWorld:
         return {"strategy": self.strategy_name}
 
 
-class KerasJob(Job["KerasWorld | PSWorld"]):
+class KerasJob(Job["KerasWorld | PSWorld", C]):
     """A tf-keras job: the subclass gives model(), compile() and datasets()."""
 
     framework = "tensorflow"
@@ -113,13 +114,12 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
         p.add_argument("--num-ps", type=positive_int, default=1,
                        help="parameter servers of a --strategy ps run on Ray (one per node)")
 
-    def launcher(self, args) -> str:
-        """The launcher, checked against --strategy (one line for a pair that cannot run)."""
+    def launcher(self, settings: flags.RunFlags, args: argparse.Namespace) -> str:
+        """The launcher, checked against --strategy (one line for a pair that cannot run):
+        --strategy mirrored is this one process."""
         from .parameter_servers import read_tf_config
 
-        if args.strategy == "mirrored":
-            args.launcher = "local"
-        launcher = super().launcher(args)
+        launcher = "local" if args.strategy == "mirrored" else super().launcher(settings, args)
         if args.strategy in ("multiworker", "ps") and launcher == "local":
             raise UserError(f"--strategy {args.strategy} needs several processes: submit to Ray, or "
                             + ("start its roles with `python -m trainkit.parameter_servers -- python "
@@ -128,9 +128,7 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
                             + "; or use --strategy mirrored")
         if launcher == "tf_config":
             ps_cluster = read_tf_config() is not None
-            if args.strategy == "auto":
-                args.strategy = "ps" if ps_cluster else "multiworker"
-            elif ps_cluster != (args.strategy == "ps"):
+            if args.strategy != "auto" and ps_cluster != (args.strategy == "ps"):
                 raise UserError(f"--strategy {args.strategy} but TF_CONFIG "
                                 + ("names parameter servers (ps tasks): use --strategy ps or auto"
                                    if ps_cluster else "names no parameter servers: start the roles "
@@ -138,18 +136,22 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
                                    "multiworker"))
         return launcher
 
-    def manifest(self, config: JobConfig, run: Run) -> dict:
+    def parameter_servers(self, args: argparse.Namespace) -> int:
+        """--num-ps under --strategy ps (on Ray: the harness's actors, not a Ray trainer)."""
+        return int(args.num_ps) if args.strategy == "ps" else 0
+
+    def manifest(self, config: C, run: Run) -> dict:
         """The strategy by launcher, for a checkpoint saved before its epochs recorded it (the
         checkpoint's own record, merged after this, names it otherwise)."""
         return {"strategy": "mirrored" if run.launcher == "local" else "multiworker"}
 
-    def model(self, config: JobConfig):
+    def model(self, config: C):
         raise NotImplementedError
 
     def compile(self, model, lr: float) -> None:
         raise NotImplementedError
 
-    def datasets(self, config: JobConfig, global_batch: int, num_replicas: int):
+    def datasets(self, config: C, global_batch: int, num_replicas: int):
         """(training, validation) tf.data sets, batched by `global_batch`."""
         raise NotImplementedError
 
@@ -166,7 +168,7 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
             ps.serve_until_stopped(self.name, cluster, role, index, use_gpu)
         return ps.PSWorld(self.name, cluster, use_gpu)
 
-    def store(self, run: Run, config: JobConfig, world):
+    def store(self, run: Run, config: C, world):
         """A parameter-server run keeps its checkpoints in the run's folder, on Ray too (Ray Train
         does not run it)."""
         from . import parameter_servers
@@ -175,7 +177,7 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
             return parameter_servers.run_store(self, run, config)
         return super().store(run, config, world)
 
-    def fit(self, run: Run, config: JobConfig, world: KerasWorld | PSWorld | None = None) -> None:
+    def fit(self, run: Run, config: C, world: KerasWorld | PSWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         with world.strategy.scope():
@@ -196,7 +198,7 @@ class KerasJob(Job["KerasWorld | PSWorld"]):
         model.fit(train, validation_data=val, epochs=run.epochs, initial_epoch=start,
                   callbacks=[report], verbose=0)
 
-    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path):
+    def export(self, folder: Path, config: C, inputs: np.ndarray, output: Path):
         from .onnx_export import export_keras
 
         model = self.model(config)

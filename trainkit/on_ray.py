@@ -4,17 +4,17 @@ TensorflowTrainer) whose workers run `ray_worker`, and publishes from the final 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from . import cluster, flags, tracking
-from .contract import Job, Run, Timeline
+from .contract import C, Job, Run, Timeline, W
 from .errors import UserError
 from .metrics import hold_until_exported, set_gauges
 from .onnx_export import Published
@@ -65,31 +65,34 @@ def restarts_summary(starts: list[dict]) -> dict:
             "attempts": starts}
 
 
-def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
-    flags.resolve(args, job.name)
-    # TensorFlow's ParameterServerStrategy: its roles are the harness's actors, not a Ray trainer's
-    parameter_servers = getattr(args, "strategy", None) == "ps"
-    if parameter_servers and isinstance(args.num_workers, tuple):
-        raise UserError(f"--num-workers {'-'.join(map(str, args.num_workers))}: a parameter-server run "
+def train_on_ray(job: Job[W, C], settings: flags.RunFlags, prepare: Callable[[], C], num_ps: int,
+                 own: dict[str, str]) -> Published:
+    """This process is the Ray job's driver. `prepare`: the job's config from its own flags (`own`:
+    them as the run history records them); `num_ps`: the parameter servers its flags ask for
+    (TensorFlow's ParameterServerStrategy: its roles are the harness's actors, not a Ray trainer's)."""
+    settings = settings.resolved(job.name)
+    parameter_servers = num_ps > 0
+    if parameter_servers and isinstance(settings.num_workers, tuple):
+        raise UserError(f"--num-workers {'-'.join(map(str, settings.num_workers))}: a parameter-server run "
                         f"goes on with fewer workers by itself; give one count, e.g. --num-workers "
-                        f"{args.num_workers[1]}")
+                        f"{settings.num_workers[1]}")
     trainer_class = None if parameter_servers else ray_trainer_class(job.trainer)  # before anything
-    config = job.prepare(args)  # imports Ray Train
+    config = prepare()  # imports Ray Train
     totals, nodes = cluster.connect(job.worker_python_env)
-    plan = cluster.plan_workers(args.num_workers, args.use_gpu, totals, nodes,
-                                placement=args.placement, elastic=job.trainer != "horovod")
+    plan = cluster.plan_workers(settings.num_workers, settings.use_gpu, totals, nodes,
+                                placement=settings.placement, elastic=job.trainer != "horovod")
     if parameter_servers:
         from .parameter_servers import check_roles
 
-        check_roles(args.num_ps, nodes)
-    cluster.check_batch(args.batch_size, job.train_size(config), plan.num_workers)
-    cluster.check_storage(args.storage_path)
-    precheck(args.storage_path, job.name, args.name, job.signature(config))
-    with hold_run(args.storage_path, args.name):  # a second run of this --name: one line
+        check_roles(num_ps, nodes)
+    cluster.check_batch(settings.batch_size, job.train_size(config), plan.num_workers)
+    cluster.check_storage(settings.storage_path)
+    precheck(settings.storage_path, job.name, settings.name, job.signature(config))
+    with hold_run(settings.storage_path, settings.name):  # a second run of this --name: one line
         attempts = cluster.on_this_node(Attempts)
-        run = tracking.start(job, args, Run.from_flags(job, args, "ray", plan.use_gpu, attempts=attempts),
-                             plan.num_workers)
-        roles = f", {args.num_ps} parameter server(s) and a chief" if parameter_servers else ""
+        run = tracking.start(job, settings, own, Run.from_flags(job, settings, "ray", plan.use_gpu,
+                                                                attempts=attempts), plan.num_workers)
+        roles = f", {num_ps} parameter server(s) and a chief" if parameter_servers else ""
         say(job.name, f"run {run.name}: {job.describe(config)}; {plan.describe()}{roles}, batch "
                       f"{run.batch_size} per worker, {run.epochs} epoch(s); storage {run.storage_path}")
         timeline = Timeline()
@@ -113,14 +116,14 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
             if parameter_servers:
                 from .parameter_servers import fit_on_ray
 
-                final = fit_on_ray(job, run, config, plan, args.num_ps, args.max_failures)
+                final = fit_on_ray(job, run, config, plan, num_ps, settings.max_failures)
             else:
                 assert trainer_class is not None  # found before anything, above
                 trainer = trainer_class(
                     ray_worker, train_loop_config={"job": job, "run": run, "config": config},
                     scaling_config=plan.scaling_config(train_v1=job.trainer == "horovod"),
-                    run_config=cluster.run_config(run.name, run.storage_path, keep=args.keep_checkpoints,
-                                                  max_failures=args.max_failures),
+                    run_config=cluster.run_config(run.name, run.storage_path, keep=settings.keep_checkpoints,
+                                                  max_failures=settings.max_failures),
                     **({"horovod_config": cluster.horovod_config()} if job.trainer == "horovod" else {}),
                 )
                 final = ray_checkpoint(trainer.fit(), run.name)
@@ -149,7 +152,7 @@ def train_on_ray(job: Job, args: argparse.Namespace) -> Published:
 
 
 @contextlib.contextmanager
-def ray_checkpoint(result, name: str) -> Iterator[Restored | None]:
+def ray_checkpoint(result: Any, name: str) -> Iterator[Restored | None]:
     """A Ray trainer's final checkpoint, opened as a local folder."""
     if result.checkpoint is None:
         raise RuntimeError(f"run {name} finished without a checkpoint")
@@ -176,7 +179,7 @@ def quiet_ray_train() -> None:
         logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-def ray_trainer_class(kind: str):
+def ray_trainer_class(kind: str) -> Any:
     """The Ray trainer for a job's `trainer`: "torch", "horovod" or "tensorflow"."""
     if kind == "torch":
         from ray.train.torch import TorchTrainer

@@ -6,17 +6,18 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from . import tracking
-from .contract import RUN_REPORTERS, Job, JobConfig, Run, Timeline
+from .contract import RUN_REPORTERS, C, Job, Run, Timeline, W
 from .onnx_export import Published, verify_and_publish
 from .progress import say
 from .store import read_meta
 
 
-def prepare_publishing(job: Job, config: JobConfig, attempts=None) -> np.ndarray:
+def prepare_publishing(job: Job[W, C], config: C, attempts: Any = None) -> np.ndarray:
     """What publishing needs besides the final checkpoint: the held-out inputs; and the
     exporters imported. With `attempts` (on Ray): once the workers have taken their first step,
     so this does not compete with their start for the CPU."""
@@ -35,7 +36,7 @@ def prepare_publishing(job: Job, config: JobConfig, attempts=None) -> np.ndarray
     return inputs
 
 
-def publish(job: Job, run: Run, config: JobConfig, folder: Path, where: str, restarts: dict,
+def publish(job: Job[W, C], run: Run, config: C, folder: Path, where: str, restarts: dict,
             timeline: Timeline, inputs: np.ndarray | None = None) -> Published:
     """The final checkpoint -> a verified ONNX model + manifest in run.output. The manifest's
     timeline: when this run's first training step ended and how long export + verify took."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import launch
-from .contract import Exported, Job, JobConfig, Run
+from .contract import C, Exported, Job, Run
 from .errors import UserError
 from .flags import UseGpu
 from .metrics import export_epoch
@@ -186,7 +186,7 @@ class HorovodWorld(TorchWorld):
         self.hvd.shutdown()  # all ranks leave together (no "connection reset" from an early one)
 
 
-class TorchJob(Job[TorchWorld]):
+class TorchJob(Job[TorchWorld, C]):
     """A PyTorch job: the subclass gives model(), optimizer(), datasets() and step()."""
 
     framework = "torch"
@@ -198,23 +198,23 @@ class TorchJob(Job[TorchWorld]):
     distributed_checkpoint = False
 
     # ---- the job's part
-    def model(self, config: JobConfig) -> nn.Module:
+    def model(self, config: C) -> nn.Module:
         raise NotImplementedError
 
     def optimizer(self, model: nn.Module, lr: float, world_size: int):
         return torch.optim.Adam(model.parameters(), lr=lr)
 
-    def datasets(self, config: JobConfig):
+    def datasets(self, config: C):
         """(training set, validation set): torch Datasets."""
         raise NotImplementedError
 
-    def shard(self, model: nn.Module, world: TorchWorld, config: JobConfig) -> bool:
+    def shard(self, model: nn.Module, world: TorchWorld, config: C) -> bool:
         """Shard the model across the world's group in place before its optimizer is made (FSDP:
         `sharding.shard`): True when it did. False (the default, and always without a group):
         replicas, wrapped by the world."""
         return False
 
-    def accumulation(self, config: JobConfig) -> int:
+    def accumulation(self, config: C) -> int:
         """Batches whose gradients add up before each optimizer step."""
         return 1
 
@@ -237,7 +237,7 @@ class TorchJob(Job[TorchWorld]):
     def world(self, launcher: str, use_gpu: UseGpu) -> TorchWorld:
         return HorovodWorld(launcher, use_gpu) if self.trainer == "horovod" else TorchWorld(launcher, use_gpu)
 
-    def fit(self, run: Run, config: JobConfig, world: TorchWorld | None = None) -> None:
+    def fit(self, run: Run, config: C, world: TorchWorld | None = None) -> None:
         world = world or self.world(run.launcher, UseGpu.of(run.use_gpu))
         store = self.store(run, config, world)
         torch.manual_seed(world.rank)  # ranks start apart on purpose: the wrap must align them
@@ -386,7 +386,7 @@ class TorchJob(Job[TorchWorld]):
         return seen
 
     # ---- publishing
-    def export(self, folder: Path, config: JobConfig, inputs: np.ndarray, output: Path) -> Exported:
+    def export(self, folder: Path, config: C, inputs: np.ndarray, output: Path) -> Exported:
         from .onnx_export import export_torch
 
         model = self.model(config)

@@ -36,14 +36,16 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .contract import Target, run_page  # noqa: F401 - run_page: a run's page, as runs.py and the tests ask tracking for it
 from .progress import COUNTERS, say
 
 if TYPE_CHECKING:
-    from .contract import Job, Run
+    from .contract import C, Job, Run, W
+    from .flags import RunFlags
     from .onnx_export import Published
 
 URL_ENV, AUTH_ENV = "DLC_TRACKING_URL", "DLC_TRACKING_AUTH"
@@ -126,7 +128,7 @@ def credentials() -> tuple[str, str] | None:
 
 
 @functools.cache
-def client(url: str):
+def client(url: str) -> Any:
     """An MLflow client for `url`: no retries, a short timeout, this process's credentials."""
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"  # the harness says where, once
@@ -167,19 +169,20 @@ def why(e: Exception) -> str:
 
 
 # ------------------------------------------------------------------ the start
-def start(job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
+def start(job: Job[W, C], settings: RunFlags, own: dict[str, str], run: Run, world_size: int | str,
           cluster: str | None = None) -> Run:
     """The run's MLflow run made (or found again, for a resumed --name) with its params and tags;
     `run` with its Target, or as it was (one warning line) where tracking is off or fails."""
     from dataclasses import replace
 
-    url, how = setting(getattr(args, "tracking", "auto"))
+    url, how = setting(settings.tracking)
     if url is None:
         if how.startswith(f"{URL_ENV} "):  # set, and refused
             say(job.name, f"warning: run {run.name} is not tracked: {how}")
         return replace(run, tracking_off=how)
     try:
-        target = _start(url, job, args, run, world_size, cluster, page_url(url, how))
+        params = dict(sorted({**own, **settings.params()}.items()))  # every flag, the job's own too
+        target = _start(url, job, params, run, world_size, cluster, page_url(url, how))
     except Exception as e:  # noqa: BLE001  (tracking never costs the run)
         reason = why(e)
         say(job.name, f"warning: run {run.name} is not tracked: {url}: {reason}; it trains and "
@@ -189,7 +192,7 @@ def start(job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
     return replace(run, tracking=target)
 
 
-def _start(url: str, job: Job, args: argparse.Namespace, run: Run, world_size: int | str,
+def _start(url: str, job: Job[W, C], params: dict[str, str], run: Run, world_size: int | str,
            cluster: str | None, page: str | None = None) -> Target:
     from mlflow.entities import Param, RunTag
 
@@ -202,7 +205,6 @@ def _start(url: str, job: Job, args: argparse.Namespace, run: Run, world_size: i
         mlflow.update_run(mlrun.info.run_id, status="RUNNING")
     else:
         mlrun = mlflow.create_run(experiment_id, run_name=run.name)
-    params = {k: "" if v is None else str(v) for k, v in sorted(vars(args).items())}
     had = mlrun.data.params
     changed = [f"{k} {had[k]} -> {v}" for k, v in params.items() if k in had and had[k] != v]
     tags = {"dlc.job": job.name, "dlc.run": run.name, "dlc.launcher": run.launcher,
@@ -243,7 +245,7 @@ def _cluster_name() -> str:
 
 
 @contextlib.contextmanager
-def ended_if_failed(run: Run):
+def ended_if_failed(run: Run) -> Iterator[None]:
     """Training and publishing inside: where they raise, the MLflow run is ended FAILED (KILLED
     for an interrupt), not left RUNNING."""
     try:

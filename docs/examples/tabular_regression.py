@@ -42,7 +42,7 @@ def read_table(path: str | Path) -> np.ndarray:
     return np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
 
 
-class TabularRegression(TorchJob):
+class TabularRegression(TorchJob[TableConfig]):
     name = "tabular_regression"
     description = __doc__.split("\n\n")[0]
     batch_size, epochs, lr = 32, 5, 1e-2

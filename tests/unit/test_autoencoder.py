@@ -196,7 +196,7 @@ def test_failed_parity_keeps_the_published_model(tmp_path):
 
 
 def parse_args(argv):
-    return flags.resolve(parse_flags(DDPAutoencoder(), argv), DDPAutoencoder.name)
+    return flags.RunFlags.of(parse_flags(DDPAutoencoder(), argv)).resolved(DDPAutoencoder.name)
 
 
 def test_default_paths_follow_the_run_name(monkeypatch, tmp_path):
@@ -208,6 +208,26 @@ def test_default_paths_follow_the_run_name(monkeypatch, tmp_path):
     assert parse_args([]).name.startswith("ddp_autoencoder-")
     # unique even within one second
     assert len({parse_args([]).name for _ in range(20)}) == 20
+
+
+def test_epochs_travel_typed_from_the_command_line_to_the_run():
+    """--epochs 3: parsed by the flag RunFlags' field declares, carried as that typed field (no
+    Namespace past the parse), into the Run every rank's training loop reads."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from trainkit.contract import Run
+
+    job = DDPAutoencoder()
+    parsed = parse_flags(job, ["--epochs", "3", "--name", "r1", "--limit", "64"])
+    settings = flags.RunFlags.of(parsed).resolved(job.name)
+    run = Run.from_flags(job, settings, "local", use_gpu=False)
+    assert (settings.epochs, run.epochs, run.name, run.batch_size) == (3, 3, "r1", job.batch_size)
+    assert get_type_hints(flags.RunFlags)["epochs"] is int and get_type_hints(Run)["epochs"] is int
+    # the parser's shared flags are RunFlags' fields, and nothing of the job's own is among them
+    shared = {f.name for f in fields(flags.RunFlags)}
+    assert shared <= set(vars(parsed)) and "limit" not in shared
+    assert flags.own_params(parsed)["limit"] == "64" and "epochs" not in flags.own_params(parsed)
 
 
 def test_help_documents_every_flag(capsys):
