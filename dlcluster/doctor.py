@@ -22,7 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dlcluster import record
 from trainkit.errors import EXIT_USER_ERROR, UserError
@@ -47,36 +47,133 @@ class Clock(BaseModel):
     uncertainty: float
 
 
+# ---- a node's answer (dlcluster/doctor_probe.py's check), typed where it is read
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # the probe and this model change together
+
+
+class Firewall(_Part):
+    load: str | None
+    active: str | None
+    chain: bool
+
+
+class TokenFile(_Part):
+    owner: str | None = None
+    group: str | None = None
+    mode: str | None = None
+    error: str | None = None  # the file cannot be read
+
+
+class Tls(_Part):
+    verified: bool
+    problem: str = ""
+    days_left: float | None = None
+    for_address: bool = False
+
+
+class Interface(_Part):
+    name: str
+    mtu: int | None = None
+
+
+class Collective(_Part):
+    file: dict[str, str | None]  # NCCL_/GLOO_SOCKET_IFNAME in /etc/dlcluster/ray.env
+    running: dict[str, str | None] | None  # ... in the raylet's environment (None: no raylet)
+
+
+class Storage(_Part):
+    path: str
+    exists: bool | None = None
+    mount: str | None = None
+    stale: str | None = None  # the probe's child hung: a stale mount
+    error: str | None = None
+    marker: str | None = None
+    write_error: str = ""
+    free: float = 0
+
+
+class Free(_Part):
+    tmp: float | None
+    docker: float | None
+
+
+class NodeClock(_Part):
+    container: str | None = None
+    synchronized: str | None = None
+
+
+class Ran(_Part):
+    rc: int
+    out: str = ""
+
+
+class Gpu(_Part):
+    module: str | None = None
+    library: str | None = None
+    nvml: Ran | None = None
+    container: Ran | None = None
+
+
+class Answer(_Part):
+    """What a node answered: all of it, or only `error` (no answer through the bastion)."""
+    error: str | None = None
+    quarantine: str | None = None
+    service: str = ""
+    raylet: bool = False
+    firewall: Firewall | None = None
+    token: TokenFile | None = None
+    tls: Tls | None = None
+    interface: Interface | None = None
+    collective: Collective | None = None
+    versions: dict[str, str | None] = {}
+    storage: Storage | None = None
+    free: Free | None = None
+    clock: NodeClock | None = None
+    gpu: Gpu | None = None
+    expected_marker: str | None = None  # the head's marker, which the doctor wrote (not the node)
+
+    @classmethod
+    def read(cls, data: dict) -> Answer:
+        """The answer as the node gave it, or one that says it could not be read."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            return cls(error=f"an answer the doctor cannot read ({e.error_count()} problem(s), first: "
+                             f"{'.'.join(map(str, e.errors()[0]['loc']))}: {e.errors()[0]['msg']})")
+
+
 # ---- the comparisons: pure functions of the answers, tested from recorded answers
 
-def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list[dict] | None,
+def examine(rec: record.ClusterRecord, answers: dict[str, Answer], ray_nodes: list[dict] | None,
             clocks: dict[str, Clock], min_free_gb: float = 2.0,
             max_clock_offset: float = 1.0, min_cert_days: float = 30,
             only: str | None = None) -> list[Finding]:
     """Every finding, or with `only` that node's alone, its image not compared with the other
     docker nodes' (make upgrade checks a node that runs the new image while the others do not yet)."""
     head = next(n for n in rec.nodes if n.role == "head")
-    ref = answers.get(head.name) or {}
+    ref = answers.get(head.name) or Answer(error="not asked")
     found: list[Finding] = []
 
     def say(node: str, what: str, fix: str) -> None:
         found.append(Finding(node=node, what=what, fix=fix))
 
-    docker_ref = next((answers[n.name]["versions"].get("image") for n in rec.nodes
-                       if n.runtime == "docker" and "versions" in answers.get(n.name, {})
+    docker_ref = next((answers[n.name].versions.get("image") for n in rec.nodes
+                       if n.runtime == "docker" and n.name in answers and answers[n.name].error is None
                        and (only is None or n.name == only)), None)
     listed = {n.get("node_ip"): n for n in (ray_nodes or []) if n.get("state") == "ALIVE"}
     for node in rec.nodes:
         a = answers.get(node.name)
-        if a is None or "error" in a:
-            say(node.name, f"no answer through the bastion ({(a or {}).get('error', 'not asked')})",
+        if a is None or a.error is not None or a.firewall is None or a.token is None:
+            say(node.name, f"no answer through the bastion ({a.error if a and a.error else 'not asked'})",
                 f"check the machine is up and reachable: ssh -F {rec.ssh_config} {node.name}")
             continue
-        if a.get("quarantine"):
-            say(node.name, f"quarantined ({a['quarantine']}): Ray stays down there",
+        if a.quarantine:
+            say(node.name, f"quarantined ({a.quarantine}): Ray stays down there",
                 f"once it is fixed: make unquarantine NODE={node.name}")
-        elif a["service"] != "active":
-            say(node.name, f"Ray's service dlc-ray is {a['service']}",
+        elif a.service != "active":
+            say(node.name, f"Ray's service dlc-ray is {a.service}",
                 f"sudo systemctl restart dlc-ray on {node.name} (journalctl -u dlc-ray says why it stopped)")
         elif ray_nodes is not None:
             r = listed.get(node.ip)
@@ -90,22 +187,22 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
                     say(node.name, f"Ray offers {cpus} CPUs and {gpus} GPUs, the cluster record "
                         f"{node.cpus} and {node.gpus}", "run make cluster-up again (it restarts Ray "
                         "with the inventory's resources)")
-        fw = a["firewall"]
-        if fw["load"] == "loaded" and (fw["active"] != "active" or not fw["chain"]):
-            say(node.name, f"the firewall service is {fw['active']} and its rules "
-                f"{'are' if fw['chain'] else 'are not'} in INPUT",
+        fw = a.firewall
+        if fw.load == "loaded" and (fw.active != "active" or not fw.chain):
+            say(node.name, f"the firewall service is {fw.active} and its rules "
+                f"{'are' if fw.chain else 'are not'} in INPUT",
                 f"sudo systemctl restart dlc-firewall on {node.name} (then dlc-ray, which requires it)")
-        tok = a["token"]
-        if "error" in tok:
-            say(node.name, f"no Ray token ({tok['error']})", "run make cluster-up again")
-        elif tok["owner"] != "root" or tok["mode"] != "0640":
-            say(node.name, f"the Ray token is {tok['owner']}:{tok['group']} {tok['mode']}, not "
+        tok = a.token
+        if tok.error is not None:
+            say(node.name, f"no Ray token ({tok.error})", "run make cluster-up again")
+        elif tok.owner != "root" or tok.mode != "0640":
+            say(node.name, f"the Ray token is {tok.owner}:{tok.group} {tok.mode}, not "
                 "root-owned 0640", "run make cluster-up again (it sets owner and mode)")
-        found += _tls(node, a.get("tls"), min_cert_days)
+        found += _tls(node, a.tls, min_cert_days)
         found += _network(node, a, ref)
         found += _versions(node, a, ref, head.name, docker_ref)
-        found += _storage(node, a, (a.get("storage") or {}).get("path"), min_free_gb)
-        for where, free in (a.get("free") or {}).items():
+        found += _storage(node, a, min_free_gb)
+        for where, free in (a.free.model_dump() if a.free else {}).items():
             if free is not None and free < min_free_gb * 1e9:
                 say(node.name, f"{free / 1e9:.1f} GB free under "
                     f"{'/tmp' if where == 'tmp' else 'Docker data root'}, below {min_free_gb} GB",
@@ -116,57 +213,61 @@ def examine(rec: record.ClusterRecord, answers: dict[str, dict], ray_nodes: list
     return [f for f in found if only is None or f.node == only]
 
 
-def _tls(node, tls: dict | None, min_cert_days: float) -> list[Finding]:
+def _tls(node: record.Node, tls: Tls | None, min_cert_days: float) -> list[Finding]:
     """Ray's TLS certificate (None: the node runs Ray without TLS, ray_tls: false)."""
     if tls is None:
         return []
     fix = ("run make cluster-up again (it makes the node a certificate of the head's CA and restarts "
            "Ray there when no job runs)")
-    if not tls["verified"]:
+    if not tls.verified:
         return [Finding(node=node.name, fix=fix,
-                        what=f"Ray's TLS certificate is not the cluster CA's ({tls['problem']})")]
-    if not tls["for_address"]:
+                        what=f"Ray's TLS certificate is not the cluster CA's ({tls.problem})")]
+    if not tls.for_address:
         return [Finding(node=node.name, fix=fix,
                         what=f"Ray's TLS certificate is not for its private address {node.ip}")]
-    if tls["days_left"] is not None and tls["days_left"] < min_cert_days:
-        return [Finding(node=node.name, what=f"Ray's TLS certificate ends in {tls['days_left']:.0f} days",
+    if tls.days_left is not None and tls.days_left < min_cert_days:
+        return [Finding(node=node.name, what=f"Ray's TLS certificate ends in {tls.days_left:.0f} days",
                         fix=fix)]
     return []
 
 
-def _network(node, a, ref) -> list[Finding]:
+def _network(node: record.Node, a: Answer, ref: Answer) -> list[Finding]:
     out = []
-    iface = a.get("interface")
+    iface = a.interface
     if iface is None:
         return [Finding(node=node.name, what=f"no interface holds its private address {node.ip}",
                         fix="fix the node's network or its `ip` in the inventory, then make cluster-up")]
-    ref_iface = ref.get("interface") or {}
-    if ref_iface.get("mtu") and iface["mtu"] != ref_iface["mtu"]:
-        out.append(Finding(node=node.name, what=f"MTU {iface['mtu']} on {iface['name']}, the head's "
-                           f"private interface has {ref_iface['mtu']}",
+    ref_mtu = ref.interface.mtu if ref.interface else None
+    if ref_mtu and iface.mtu != ref_mtu:
+        out.append(Finding(node=node.name, what=f"MTU {iface.mtu} on {iface.name}, the head's "
+                           f"private interface has {ref_mtu}",
                            fix="set the same MTU on every node's private interface (a mismatch "
                                "stalls large all-reduce messages)"))
-    for where, settings in (("/etc/dlcluster/ray.env", a["collective"]["file"]),
-                            ("Ray's running processes", a["collective"]["running"])):
+    collective = a.collective or Collective(file={}, running=None)
+    for where, settings in (("/etc/dlcluster/ray.env", collective.file),
+                            ("Ray's running processes", collective.running)):
         for key, value in (settings or {}).items():
-            if value != iface["name"]:
+            if value != iface.name:
                 out.append(Finding(
                     node=node.name, what=f"{key}={value} in {where}, but its private address "
-                    f"{node.ip} is on {iface['name']}",
+                    f"{node.ip} is on {iface.name}",
                     fix="run make cluster-up again (it writes the interface holding the private "
                         "address and restarts Ray when no job runs)"))
     return out
 
 
-def _versions(node, a, ref, head_name, docker_ref) -> list[Finding]:
-    v, rv = a.get("versions") or {}, ref.get("versions") or {}
+def _versions(node: record.Node, a: Answer, ref: Answer, head_name: str,
+              docker_ref: str | None) -> list[Finding]:
+    v, rv = a.versions, ref.versions
     if "error" in v:
         return [Finding(node=node.name, what=f"its Python environment does not answer ({v['error']})",
                         fix="run make cluster-up again (it installs the environment)")]
     out = []
     fix = "run make cluster-up again (it installs the lock's versions everywhere)"
     if node.name != head_name:
-        minor = lambda s: ".".join((s or "?").split(".")[:2])  # noqa: E731 - Ray's match level
+        def minor(version: str | None) -> str:  # Ray's match level
+            return ".".join((version or "?").split(".")[:2])
+
         if minor(v.get("python")) != minor(rv.get("python")):
             out.append(Finding(node=node.name, what=f"Python {v.get('python')}, the head runs "
                                f"{rv.get('python')} (Ray needs the same minor version)", fix=fix))
@@ -180,39 +281,41 @@ def _versions(node, a, ref, head_name, docker_ref) -> list[Finding]:
     return out
 
 
-def _storage(node, a, path, min_free_gb) -> list[Finding]:
-    s = a.get("storage")
-    if not path or s is None:
+def _storage(node: record.Node, a: Answer, min_free_gb: float) -> list[Finding]:
+    s = a.storage
+    if s is None or not s.path:
         return []
+    path = s.path
 
-    def f(what, fix):
+    def f(what: str, fix: str) -> list[Finding]:
         return [Finding(node=node.name, what=what, fix=fix)]
-    mount = f"{path} (findmnt: {s.get('mount') or 'nothing'})"
-    if "stale" in s:
-        return f(f"the shared storage {path} hangs ({s['stale']}): a stale mount",
+    mount = f"{path} (findmnt: {s.mount or 'nothing'})"
+    if s.stale is not None:
+        return f(f"the shared storage {path} hangs ({s.stale}): a stale mount",
                  f"sudo umount -l {path} && sudo mount {path} on {node.name}; then restart dlc-ray")
     remount = (f"mount the shared storage on {node.name} (make cluster-up mounts NFS; a `path` "
                "storage is the site's to mount), then sudo systemctl restart dlc-ray there")
-    if not s.get("exists"):
-        return f(f"the shared storage is not there: {mount}: {s.get('error', '')}", remount)
+    if not s.exists:
+        return f(f"the shared storage is not there: {mount}: {s.error or ''}", remount)
     out = []
-    if s["marker"] != a.get("expected_marker"):
+    if s.marker != a.expected_marker:
         out += f(f"the shared storage is not shared: the head's marker is not in {mount}", remount)
-    if s["write_error"]:
-        out += f(f"Ray's account cannot write to {path} ({s['write_error']})",
+    if s.write_error:
+        out += f(f"Ray's account cannot write to {path} ({s.write_error})",
                  f"give Ray's account write access to {path} (make cluster-up sets its owner)")
-    if s["free"] < min_free_gb * 1e9:
-        out += f(f"{s['free'] / 1e9:.1f} GB free on the shared storage {path}, below {min_free_gb} GB",
+    if s.free < min_free_gb * 1e9:
+        out += f(f"{s.free / 1e9:.1f} GB free on the shared storage {path}, below {min_free_gb} GB",
                  "free space there (old runs' checkpoints under runs/, old models)")
     return out
 
 
-def _clock(node, a, clocks, head_name, max_offset) -> list[Finding]:
+def _clock(node: record.Node, a: Answer, clocks: dict[str, Clock], head_name: str,
+           max_offset: float) -> list[Finding]:
     out = []
-    c = a.get("clock") or {}
-    if not c.get("container") and c.get("synchronized") != "yes":
+    c = a.clock or NodeClock()
+    if not c.container and c.synchronized != "yes":
         out.append(Finding(node=node.name, what=f"its clock is not synchronised (timedatectl: "
-                           f"NTPSynchronized={c.get('synchronized')})",
+                           f"NTPSynchronized={c.synchronized})",
                            fix="enable time sync (sudo apt install chrony, or systemd-timesyncd)"))
     mine, head = clocks.get(node.name), clocks.get(head_name)
     if mine and head and node.name != head_name:
@@ -224,31 +327,33 @@ def _clock(node, a, clocks, head_name, max_offset) -> list[Finding]:
     return out
 
 
-def _gpu(node, a) -> list[Finding]:
-    g = a.get("gpu") or {}
-    say = lambda what, fix: Finding(node=node.name, what=what, fix=fix)  # noqa: E731
-    if not g.get("module"):
+def _gpu(node: record.Node, a: Answer) -> list[Finding]:
+    g = a.gpu or Gpu()
+
+    def say(what: str, fix: str) -> Finding:
+        return Finding(node=node.name, what=what, fix=fix)
+    if not g.module:
         return [say("no NVIDIA kernel module is loaded",
                     "reboot the node after the driver install (or sudo modprobe nvidia)")]
     out = []
-    if g.get("library") and g["library"] != g["module"]:
-        out.append(say(f"the driver library is {g['library']} but the loaded kernel module is "
-                       f"{g['module']} (upgraded under the running module)",
+    if g.library and g.library != g.module:
+        out.append(say(f"the driver library is {g.library} but the loaded kernel module is "
+                       f"{g.module} (upgraded under the running module)",
                        "drain the node (make doctor QUARANTINE=1 when it exists) and reboot it; "
                        "hold the driver packages against unattended upgrades"))
-    nvml = g.get("nvml") or {}
-    if nvml.get("rc"):
-        first = next((line for line in nvml.get("out", "").splitlines() if line.strip()), "?")
-        out.append(say(f"nvidia-smi fails (exit {nvml['rc']}): {first[:150]}",
+    nvml = g.nvml or Ran(rc=0)
+    if nvml.rc:
+        first = next((line for line in nvml.out.splitlines() if line.strip()), "?")
+        out.append(say(f"nvidia-smi fails (exit {nvml.rc}): {first[:150]}",
                        "reboot the node; if it persists, reinstall the driver (make cluster-up)"))
     else:
-        gpus = len([line for line in nvml.get("out", "").splitlines() if line.strip()])
+        gpus = len([line for line in nvml.out.splitlines() if line.strip()])
         if gpus != node.gpus:
             out.append(say(f"nvidia-smi lists {gpus} GPUs, the cluster record {node.gpus}",
                            "check the GPUs (nvidia-smi -q) or set ray_num_gpus in the inventory"))
-    ctr = g.get("container")
-    if ctr and ctr.get("rc"):
-        out.append(say(f"a GPU container does not start ({ctr.get('out', '')[-150:]})",
+    ctr = g.container
+    if ctr and ctr.rc:
+        out.append(say(f"a GPU container does not start ({ctr.out[-150:]})",
                        "run make cluster-up again (it configures the NVIDIA container toolkit)"))
     return out
 
@@ -325,13 +430,13 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: floa
         if wrote.get("rc"):
             print(f"doctor: the head could not write its marker under {rec.storage}: {wrote['out']}",
                   flush=True)
-    answers: dict[str, dict] = {}
+    answers: dict[str, Answer] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(rec.nodes))) as pool:
         futures = {pool.submit(ask, rec, n, {**base, "do": "check", "runtime": n.runtime, "ip": n.ip,
                                              "name": n.name, "gpus": n.gpus}): n for n in rec.nodes}
         for f in as_completed(futures):
             n = futures[f]
-            answers[n.name] = {**f.result(), "expected_marker": text}
+            answers[n.name] = Answer.read({**f.result(), "expected_marker": text})
             print(f"doctor: {n.name} answered ({time.time() - started:.1f} s)", flush=True)
         clocks = {n.name: c for n, c in zip(rec.nodes, pool.map(lambda n: clock(rec, n), rec.nodes),
                                              strict=True)}
@@ -345,7 +450,8 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: floa
                              fix="make attach INVENTORY=... (it opens the tunnel), or make cluster-up"))
     report = {"cluster": rec.name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "seconds": round(time.time() - started, 1),
-              "findings": [f.model_dump() for f in found], "nodes": answers,
+              "findings": [f.model_dump() for f in found],
+              "nodes": {k: a.model_dump(exclude_unset=True) for k, a in answers.items()},
               "clocks": {k: v.model_dump() if v else None for k, v in clocks.items()},
               "ray_nodes": seen}
     return found, report
@@ -362,9 +468,9 @@ def quarantine(rec: record.ClusterRecord, found: list[Finding], report: dict,
     lines = []
     for node in rec.nodes:
         mine = [f for f in found if f.node == node.name]
-        a = report["nodes"].get(node.name) or {}
-        if a.get("quarantine"):  # an earlier quarantine: its Ray stopped once its work has ended
-            if a.get("service") == "active" and not a.get("raylet"):
+        a = Answer.read(report["nodes"].get(node.name) or {"error": "not asked"})
+        if a.quarantine:  # an earlier quarantine: its Ray stopped once its work has ended
+            if a.service == "active" and not a.raylet:
                 ask(rec, node, {"do": "stop"}, timeout=180)
                 lines.append(f"{node.name}: quarantined: the work it was drained of has ended; "
                              f"its Ray stopped; make unquarantine NODE={node.name} once it is fixed")

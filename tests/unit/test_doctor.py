@@ -38,7 +38,25 @@ def setup(gpus: int = 0):
 
 
 def lines(rec, answers, ray_nodes, clocks, **kw) -> list[str]:
-    return [f.line() for f in doctor.examine(rec, answers, ray_nodes, clocks, **kw)]
+    """The findings on the answers as the doctor reads them (each checked against its typed shape)."""
+    typed = {name: doctor.Answer.model_validate(a) for name, a in answers.items()}
+    return [f.line() for f in doctor.examine(rec, typed, ray_nodes, clocks, **kw)]
+
+
+def test_the_recorded_answers_read_whole_and_a_drifted_one_is_one_finding():
+    """The answers a real cluster gave fit the typed answer field for field (a key the probe
+    added and the doctor does not know fails to read); one that does not is a finding, not a crash."""
+    rec, answers, ray_nodes, clocks = setup(gpus=2)
+    for name, a in answers.items():
+        assert doctor.Answer.model_validate(a).model_dump(exclude_unset=True) == a, name
+    answers["node-2"]["firewall"]["zone"] = "public"  # a probe newer than this doctor
+    assert doctor.Answer.read(answers["node-2"]).error.startswith(
+        "an answer the doctor cannot read (1 problem(s), first: firewall.zone: Extra inputs")
+    typed = {name: doctor.Answer.read(a) for name, a in answers.items()}
+    found = [f.line() for f in doctor.examine(rec, typed, ray_nodes, clocks)]
+    assert found == ["node-2: no answer through the bastion (an answer the doctor cannot read (1 "
+                     "problem(s), first: firewall.zone: Extra inputs are not permitted)): check the "
+                     f"machine is up and reachable: ssh -F {rec.ssh_config} node-2"]
 
 
 def test_the_recorded_healthy_cluster_has_no_finding():
