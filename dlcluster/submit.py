@@ -26,22 +26,13 @@ from urllib.parse import urlsplit
 
 from dlcluster import record, submissions, upload
 from trainkit.errors import UserError
+from trainkit.onnx_export import checkout_commit
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose jobs/ and tracked files travel
 
 
 def jobs() -> list[str]:
     return sorted(p.stem for p in (ROOT / "jobs").glob("*.py"))
-
-
-def commit() -> str | None:
-    """The checkout's commit, "-dirty" when tracked files changed (the upload carries no history)."""
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "-uno"], capture_output=True,
-                           text=True).stdout.strip()
-    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def reachable(api: str) -> bool:
@@ -63,7 +54,7 @@ def submit(job: str, flags: list[str], named: list[str]) -> int:
                         "cluster-up (for a remote cluster: it reopens the tunnel)")
     # The commit travels as data; so does where this operator's browser reaches the run history (the
     # record's tunnel end): the links the run prints.
-    at = commit()
+    at = checkout_commit(ROOT)  # "-dirty" when tracked files changed (the upload carries no history)
     env_json = json.dumps(rec.runtime_env(at))
     stage = tempfile.mkdtemp(prefix="dlc-upload.")  # 0700, a name nobody can guess
     try:

@@ -201,6 +201,19 @@ def check_parity(path: Path, inputs: np.ndarray, reference: np.ndarray,
             "seconds": time.perf_counter() - t0}
 
 
+def checkout_commit(root: Path) -> str | None:
+    """`git rev-parse HEAD` of the checkout at `root`, "-dirty" after it when tracked files changed;
+    None where `root` is no checkout (or git is missing)."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+
+
 def git_commit() -> str:
     """The commit the job's code came from, the most exact answer first:
     - `git rev-parse` where the code is a checkout ("-dirty" after it when tracked files changed);
@@ -208,15 +221,8 @@ def git_commit() -> str:
     - the refs `ray job submit --working-dir .` uploads (.rayignore keeps .git/HEAD and refs, not
       history or config): the commit, without knowing whether the tree was dirty;
     - DLC_GIT_COMMIT, baked into the image at build time; else 'unknown'."""
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "-uno"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if out.returncode == 0:
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    if checked_out := checkout_commit(REPO_ROOT):
+        return checked_out
     uploaded = uploaded_commit(REPO_ROOT / ".git")  # the working dir's root, where the harness is
     return (os.environ.get("DLC_SUBMIT_COMMIT") or uploaded or os.environ.get("DLC_GIT_COMMIT")
             or "unknown")
