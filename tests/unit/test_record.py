@@ -104,8 +104,13 @@ def ansible_template(inventory: str, out: Path, cases: dict[str, dict]) -> dict[
     `groups` and `ansible_inventory_sources` those of the shipped inventory: one play per case of
     variables, all in one run. The records it wrote, by case."""
     template = REPO / "ansible/roles/control_host/templates/cluster.json.j2"
-    plays = [{"name": case, "hosts": "localhost", "connection": "local", "gather_facts": False, "vars": facts,
-              "tasks": [{"ansible.builtin.template": {"src": str(template), "dest": str(out / f"{case}.json"),
+    roles = REPO / "ansible/roles"
+    plays = [{"name": case, "hosts": "localhost", "connection": "local", "gather_facts": False,
+              # the services as declared, and which of them this cluster runs (control_running)
+              "vars_files": [str(roles / "cluster_defaults/defaults/main.yml"),
+                             str(roles / "control_host/vars/main.yml")],
+              "tasks": [{"ansible.builtin.set_fact": facts},  # above vars_files, as the play's own are
+                        {"ansible.builtin.template": {"src": str(template), "dest": str(out / f"{case}.json"),
                                                       "mode": "0600"}}]}
              for case, facts in cases.items()]
     playbook = out / "record.yml"
@@ -143,17 +148,22 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
                  dlc_grafana_tunnel_port=3000, dlc_tracking_tunnel_port=5000, dlc_cluster_dir=cluster_dir,
                  dlc_ssh_config=f"{cluster_dir}/ssh_config", dlc_shared_storage_path="/srv/dlcluster",
                  control_nodes_record=nodes)
-    everything_answered = {"control_prometheus": {"status": 200}, "control_grafana_answer": {"status": 401}}
+    # what write_record.yml found (control_serving, by the record's field)
+    everything_answered = {"control_serving": {"metrics_url": True, "grafana_url": True,
+                                               "tracking_url": True}}
     records = ansible_template(inventory, tmp_path, {
         # what cluster-up found: Prometheus and the run history answered on the emulated cluster,
         # Grafana on the example's
-        "found": {**facts, "dlc_metrics": True,
-                  "control_prometheus": {"status": 200 if inventory == "emulated" else -1},
-                  "control_grafana_answer": {"status": 401 if inventory == "example" else -1},
-                  "control_tracking_ok": inventory == "emulated"},
-        # everything answered, the settings strings as `-e` gives them: off, then on
-        "off": {**facts, **everything_answered, "dlc_metrics": "false", "control_tracking_ok": "false"},
-        "on": {**facts, **everything_answered, "dlc_metrics": "yes", "control_tracking_ok": "True"},
+        "found": {**facts, "dlc_metrics": True, "control_serving": {
+            "metrics_url": inventory == "emulated", "grafana_url": inventory == "example",
+            "tracking_url": inventory == "emulated"}},
+        # everything answered, the settings strings as `-e` gives them: off (a service the cluster
+        # does not run names no URL, whatever answered), then on
+        "off": {**facts, **everything_answered, "dlc_metrics": "false", "dlc_tracking": "false"},
+        "on": {**facts, **everything_answered, "dlc_metrics": "yes", "dlc_grafana": "True",
+               "dlc_tracking": "on"},
+        # Grafana off alone: the metrics stay
+        "no-grafana": {**facts, **everything_answered, "dlc_grafana": "false"},
     })
     urls = {}
     for case, data in records.items():
@@ -164,15 +174,14 @@ def test_the_ansible_template_writes_a_valid_record(inventory, tmp_path):
         assert (data["nodes"], r.token_path) == (nodes, f"{cluster_dir}/ray_token"), case
         urls[case] = (r.metrics_url, (r.grafana_url, r.grafana_password_path),
                       (r.tracking_url, r.tracking_auth_path))
-    # the metrics URL where metrics are on and Prometheus answered through the tunnel; Grafana's
-    # URL and password where Grafana asked for a login; the run history's URL and credentials where
-    # it answered 401 and then 200 (control_tracking_ok)
+    # each service's URL (and its files) where the cluster runs it and it answered as it should
     metrics = "http://127.0.0.1:9090"
     grafana = ("http://127.0.0.1:3000", f"{cluster_dir}/grafana_password")
     tracking = ("http://127.0.0.1:5000", f"{cluster_dir}/tracking_auth")
     none = (None, None)
     found = (metrics, none, tracking) if inventory == "emulated" else (None, grafana, none)
-    assert urls == {"found": found, "off": (None, grafana, none), "on": (metrics, grafana, tracking)}
+    assert urls == {"found": found, "off": (None, none, none), "on": (metrics, grafana, tracking),
+                    "no-grafana": (metrics, none, tracking)}
 
 
 def test_the_command_line(tmp_path):

@@ -4,10 +4,15 @@ role's tunnel and held-port check and the lifecycle's arguments (dlcluster/lifec
 
 from __future__ import annotations
 
+import base64
+import http.server
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,15 +55,20 @@ def test_the_makefile_and_the_readme_give_each_service_its_default():
 
 def test_no_consumer_lists_the_services_by_hand():
     """dlcluster's lifecycle and the control_host role's tasks loop over the list: none names a service's
-    Make variable or tunnel variable itself (the record's probes, one per service, may)."""
+    Make variable or tunnel variable itself; the record's probes, its URL fields and cluster-up's last
+    words name no service with a probe (each is its entry's)."""
     cluster_sh = (REPO / "dlcluster/lifecycle.py").read_text()
     tunnel = (ANSIBLE / "roles/control_host/tasks/tunnel.yml").read_text()
     held = (ANSIBLE / "roles/control_host/tasks/checks.yml").read_text()
+    said = (ANSIBLE / "roles/control_host/tasks/write_record.yml").read_text()
+    template = (ANSIBLE / "roles/control_host/templates/cluster.json.j2").read_text()
     for s in services.services():
         assert s.make_var not in cluster_sh and s.local_port not in cluster_sh, s.make_var
         assert s.make_var not in held, s.make_var
         if s.local_port != "dlc_tunnel_port":  # the job API's: the tunnel's own, named in its task names
             assert s.local_port not in tunnel, s.local_port
+            assert s.local_port not in said and s.local_port not in template, s.local_port
+            assert s.record not in said and s.record not in template, s.record
 
 
 @pytest.mark.parametrize("env,expect", [
@@ -144,3 +154,103 @@ def test_a_fifth_service_is_one_entry_in_the_list(tmp_path, monkeypatch):
     assert services.tunnel_ends({})["dlc_fifth_tunnel_port"] == 7777
     with pytest.raises(services.UserError, match="^FIFTH_PORT and DASHBOARD_PORT are both 8265: "):
         services.tunnel_ends({"FIFTH_PORT": "8265"})
+
+
+PROBE_PLAY = """\
+- name: {case}
+  hosts: localhost
+  gather_facts: false
+  vars_files: [{roles}/cluster_defaults/defaults/main.yml]
+  tasks:
+    - ansible.builtin.set_fact: {facts}
+    - ansible.builtin.include_role: {{name: {roles}/control_host, tasks_from: write_record}}
+"""
+
+
+class Services(http.server.BaseHTTPRequestHandler):
+    """Prometheus, Grafana and the run history on one port, as they answer on the head (`right`), or
+    as a broken head's do: Prometheus not ready, Grafana without a login, the run history open to all."""
+
+    right = True
+    login = "Basic " + base64.b64encode(b"dlc:pw-secret").decode()
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        status = {"/-/ready": 200 if self.right else 503,
+                  "/api/dashboards/uid/dlcluster": 401 if self.right else 200,
+                  "/api/2.0/mlflow/experiments/search":
+                      200 if not self.right or self.headers.get("Authorization") == self.login else 401}[path]
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_record_names_each_service_that_answers_through_the_tunnel_as_it_should(tmp_path):
+    """tasks/write_record.yml asks each running service its probe (roles/cluster_defaults's dlc_services),
+    real HTTP servers answering: where every answer is the expected one the record names the URL and
+    its files and cluster-up's last words say how to sign in; where one is not (Prometheus 503,
+    Grafana without a login, a run history that answers without its credentials) the record names
+    none of them and one warning per service says what it answered against what was expected and
+    where to look. The run history's password reaches the server and never the output."""
+    servers = {}
+    for case, right in (("right", True), ("broken", False)):
+        servers[case] = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), type(f"Services{case}", (Services,), {"right": right}))
+        threading.Thread(target=servers[case].serve_forever, daemon=True).start()
+    plays = []
+    for case, server in servers.items():
+        port = server.server_address[1]
+        folder = tmp_path / case
+        folder.mkdir()
+        (folder / "tracking_auth").write_text("dlc:pw-secret\n")
+        facts = {"dlc_cluster_dir": str(folder), "dlc_project_python": sys.executable,
+                 "control_activate": False, "dlc_metrics_tunnel_port": port, "dlc_grafana_tunnel_port": port,
+                 "dlc_tracking_tunnel_port": port,
+                 "control_probe_retries": 1 if right else 0,
+                 "control_nodes_record": [{"name": "node-1", "ip": "172.31.251.11", "role": "head",
+                                           "cpus": 2, "gpus": 0, "runtime": "host"}]}
+        plays.append(PROBE_PLAY.format(case=case, roles=ANSIBLE / "roles", facts=json.dumps(facts)))
+    play = tmp_path / "probes.yml"
+    play.write_text("\n".join(plays))
+    env = {"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "HOME": str(Path.home()),
+           "DLC_CONFIG": str(tmp_path), "ANSIBLE_FILTER_PLUGINS": str(ANSIBLE / "filter_plugins"),
+           "ANSIBLE_STRATEGY": "linear", "NO_PROXY": "*"}
+    try:  # the head says Grafana serves: it is waited for, and its wrong answer named
+        proc = subprocess.run([str(REPO / ".venv-ansible/bin/ansible-playbook"), "-i",
+                               str(ANSIBLE / "inventories/emulated/hosts.yml"), "-e", "grafana_serving=true",
+                               str(play)], cwd=ANSIBLE, capture_output=True, text=True, timeout=180, env=env)
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "pw-secret" not in proc.stdout + proc.stderr
+    out = re.sub(r"\s+", " ", proc.stdout)  # Ansible's output as one line: its long strings are wrapped
+    right, broken = (servers[c].server_address[1] for c in ("right", "broken"))
+    found = {case: record.load(tmp_path / case / "cluster.json") for case in servers}
+    assert (found["right"].metrics_url, found["right"].grafana_url, found["right"].tracking_url) == (
+        f"http://127.0.0.1:{right}",) * 3
+    assert (found["right"].grafana_password_path, found["right"].tracking_auth_path) == (
+        f"{tmp_path}/right/grafana_password", f"{tmp_path}/right/tracking_auth")
+    assert (found["broken"].metrics_url, found["broken"].grafana_url, found["broken"].tracking_url,
+            found["broken"].grafana_password_path, found["broken"].tracking_auth_path) == (None,) * 5
+    at = f"at http://127.0.0.1:{right}"
+    for said in (f"metrics: Prometheus {at} (its graph",
+                 f"dashboards: Grafana {at} (user admin, its password: make grafana-password)",
+                 f"run history: MLflow {at} (user dlc, its password: make tracking-password",
+                 "metrics: none", "dashboards: no Grafana", "run history: none"):
+        assert said in out, said
+    warnings = [m.replace("''", "'") for m in re.findall(r"msg: '(warning: (?:[^']|'')*)'", out)]
+    assert warnings == [
+        f"warning: Prometheus on node-1 does not answer through the tunnel at http://127.0.0.1:{broken} as "
+        "it should (it answered 503 where 200 was expected): make cluster-up installs it (dlc_metrics); see "
+        "journalctl -u prometheus on the head; the record names no metrics_url",
+        f"warning: Grafana on node-1 does not answer through the tunnel at http://127.0.0.1:{broken} as it "
+        "should (it answered 200 where 401 was expected): see journalctl -u grafana-server on the head; the "
+        "record names no grafana_url",
+        "warning: the run history (MLflow's tracking server) on node-1 does not answer through the tunnel at "
+        f"http://127.0.0.1:{broken} as it should (it answered 200 and 200 where 401 and 200 was expected, "
+        "without and with credentials): see journalctl -u dlc-mlflow on the head; runs go untracked; the "
+        "record names no tracking_url"], out[-4000:]
