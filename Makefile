@@ -67,7 +67,7 @@ PY   := $(VENV)/bin/python
 DLC  := $(VENV)/bin/dlcluster
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs cluster-down attach rotate-token remove-node upgrade submit resume demo test leftovers check test-unit \
+.PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs users jobs logs audit cluster-down attach rotate-token remove-node upgrade submit resume demo test leftovers check test-unit \
         test-cluster test-gpu stage-gpu lint bench bench-ae clean smoke baseline doctor unquarantine emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
@@ -96,6 +96,18 @@ tracking-password: setup ## print the run history's URL, user and password, for 
 
 runs: setup ## the last runs from the cluster's MLflow server (run, job, commit, epochs, validation, restarts, model, state); RUN=name: its metrics per epoch
 	@$(DLC) runs $(if $(RUN),--run $(RUN))
+
+users: setup ## admins: the cluster's people (ARGS="add NAME --team T [--admin] [--expires 90d]" or "revoke NAME"; default: list)
+	@$(DLC) user $(or $(ARGS),list)
+
+jobs: setup ## every job the cluster's gateway keeps, with its owner, team, state and run (also from before a head restart)
+	@$(DLC) jobs
+
+logs: setup ## job $(ID)'s driver log as the cluster's gateway kept it (also after a head restart)
+	@$(DLC) logs $(ID)
+
+audit: setup ## the cluster's audit trail (who submitted, stopped, deleted, was refused, added or revoked whom) and whether its chain holds
+	@$(DLC) audit
 
 cluster-down: setup ## stop Ray (workers, then head) and close the tunnel; data, images, packages stay
 	@$(DLC) down

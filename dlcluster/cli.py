@@ -81,6 +81,13 @@ def _resume(argv: list[str]) -> int:
     return submit.resume_main(argv)
 
 
+def _team(name: str) -> Callable[[list[str]], int | None]:
+    def run(argv: list[str]) -> None:
+        from dlcluster import team
+        getattr(team, f"{name}_main")(argv)
+    return run
+
+
 COMMANDS: dict[str, Command] = {
     "up": _cluster("up", "INVENTORY set: provisions its servers through the bastion (driver, container "
                    "runtime, image, Ray), starts Ray and opens the tunnel; else starts a local cluster "
@@ -110,6 +117,14 @@ COMMANDS: dict[str, Command] = {
                       _submit),
     "resume": Command("starts a job: run RUN submitted again as it first was (same job, flags, --name), "
                       "going on from its last checkpoint", "resume", _resume),
+    "user": Command("admins: `user add NAME --team T` makes a person's credential (printed once), "
+                    "`user list`, `user revoke NAME` (refused at once)", "users", _team("user")),
+    "jobs": Command("changes nothing: every job the gateway keeps (those from before a head restart too), "
+                    "with its owner, team, state and run", "jobs", _team("jobs")),
+    "logs": Command("changes nothing: job ID's driver log as the gateway kept it (also after a head restart)",
+                    "logs", _team("logs")),
+    "audit": Command("changes nothing: the audit trail (who submitted, stopped, deleted, was refused, added "
+                     "or revoked whom), and whether its chain holds", "audit", _team("audit")),
     "smoke": Command("runs short jobs, changes no setting: the nodes, all-reduce bandwidth, perf against "
                      "the baseline, the trainers, the way in", "smoke", _module("dlcluster.smoke.run")),
     "baseline": Command("writes the cluster's performance baseline (no job may run): per node step time "

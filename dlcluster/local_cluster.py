@@ -6,9 +6,12 @@
 
 Each node has its own temp dir (and so its own sockets, logs and object store; 0700); the
 dashboard and job API listen on 127.0.0.1 only, and Ray's token auth is on: the token lives in
-$DLC_CONFIG/clusters/local/ray_token (mode 0600, outside git). `down` stops only the processes
-this cluster started (found by its temp dirs), never other Ray clusters on the host (`ray stop`
-would kill them all).
+$DLC_CONFIG/clusters/local/ray_token (mode 0600, outside git). People reach them through the
+cluster's gateway (gateway/, as on a cluster's head) at DASHBOARD_PORT, with the cluster's token
+(an operator) or their own credential (`dlcluster user add`); Ray's own dashboard listens on a
+port of its own, and the gateway's records and logs stay in the cluster's folder across `down`.
+`down` stops only the processes this cluster started (found by its temp dirs), never other Ray
+clusters on the host (`ray stop` would kill them all).
 
 Where a `prometheus` binary is on PATH (e.g. the distribution's package), `up` also runs one as
 this user on 127.0.0.1:METRICS_PORT, scraping every node's Ray metrics (Ray's own and the jobs'
@@ -341,6 +344,38 @@ def tracking_ready(proc: subprocess.Popen, port: int, timeout: float = 90) -> st
     return None
 
 
+def start_gateway(port: int, ray_dashboard: str) -> subprocess.Popen:
+    """The cluster's gateway (gateway/, as on a cluster's head) on 127.0.0.1:port, the one door to
+    Ray's dashboard at `ray_dashboard`; its database and the jobs' logs in this cluster's folder
+    (kept across `down`, as a head's disk keeps them)."""
+    folder = LOCAL / "gateway"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log = open(folder / "server.log", "ab")  # noqa: SIM115  (the server's, for its whole life)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--listen", f"{HOST}:{port}", "--upstream", ray_dashboard,
+         "--token-file", str(token()), "--data", str(folder)],
+        cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def gateway_ready(proc: subprocess.Popen, port: int, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if port_in_use(port):
+            return
+        time.sleep(0.2)
+    fail(f"the gateway did not start on {HOST}:{port} (see {LOCAL / 'gateway' / 'server.log'}); "
+         f"`make cluster-down`, then `make cluster-up`")
+
+
+def gateway_alive(st: dict) -> bool:
+    try:
+        os.killpg(st["gateway_pid"], 0)
+    except (KeyError, TypeError, ProcessLookupError, PermissionError):
+        return False
+    return port_in_use(int(st["dashboard"].rsplit(":", 1)[1]))
+
+
 def stop_group(pid: int | None) -> None:
     """Stop a process started in a session of its own, and every process of that session."""
     if not pid:
@@ -371,6 +406,13 @@ def up(a: argparse.Namespace) -> None:
     if state_file().exists():
         st = json.loads(state_file().read_text())
         if cluster_pids(st["temp_root"]):
+            if st.get("ray_dashboard") and not gateway_alive(st):  # a gateway that died: again
+                stop_group(st.get("gateway_pid"))
+                port = int(st["dashboard"].rsplit(":", 1)[1])
+                gateway = start_gateway(port, st["ray_dashboard"])
+                st["gateway_pid"] = gateway.pid
+                state_file().write_text(json.dumps(st, indent=2) + "\n")
+                gateway_ready(gateway, port)
             if st.get("tracking_port") and not tracking_alive(st):  # a server that died: again
                 stop_group(st.get("tracking_pid"))
                 if proc := start_tracking(st["tracking_port"]):
@@ -401,8 +443,12 @@ def up(a: argparse.Namespace) -> None:
     common = ["--node-ip-address", HOST, "--num-cpus", str(cpus), "--disable-usage-stats",
               "--object-store-memory", str(a.object_store_mb * 1024 * 1024)]
     # Recorded before anything starts, so `down` can clean up after a start that failed half-way.
+    # People reach Ray through the gateway at DASHBOARD_PORT; Ray's own dashboard listens on a port
+    # of its own, its token the gateway's and the operator's alone
+    ray_dashboard_port = free_port()
     state = {"gcs": gcs, "dashboard": f"http://{HOST}:{a.dashboard_port}", "nodes": a.nodes,
-             "cpus_per_node": cpus, "temp_root": temp_root, "tracking_port": a.tracking_port}
+             "cpus_per_node": cpus, "temp_root": temp_root, "tracking_port": a.tracking_port,
+             "ray_dashboard": f"http://{HOST}:{ray_dashboard_port}"}
     tracking = start_tracking(a.tracking_port)  # it starts while Ray does
     state["tracking_pid"] = tracking.pid if tracking else None
     state_file().write_text(json.dumps(state, indent=2) + "\n")
@@ -411,11 +457,14 @@ def up(a: argparse.Namespace) -> None:
                 "DLC_TRACKING_AUTH": str(tracking_auth())} if tracking else {})
     print(f"starting head node on {gcs} ({cpus} CPUs)", flush=True)
     run_ray(["start", "--head", "--port", str(a.port), "--dashboard-host", HOST,
-             "--dashboard-port", str(a.dashboard_port), "--include-dashboard", "true",
+             "--dashboard-port", str(ray_dashboard_port), "--include-dashboard", "true",
              "--ray-client-server-port", str(free_port()),
              "--dashboard-agent-listen-port", "0",
              "--temp-dir", f"{temp_root}/head",
              *common], env)
+    gateway = start_gateway(a.dashboard_port, state["ray_dashboard"])
+    state["gateway_pid"] = gateway.pid
+    state_file().write_text(json.dumps(state, indent=2) + "\n")
     for i in range(1, a.nodes):
         print(f"starting worker node {i} ({cpus} CPUs, no GPUs)", flush=True)
         run_ray(["start", "--address", gcs, "--temp-dir", f"{temp_root}/node{i}",
@@ -423,13 +472,15 @@ def up(a: argparse.Namespace) -> None:
                  *common], env,
                 prefix=own_hostname(f"{socket.gethostname()}-node{i}", f"{temp_root}/node{i}"))
     nodes = wait_for_nodes(gcs, a.nodes, env, temp_root)
+    gateway_ready(gateway, a.dashboard_port)
     state["metrics"] = start_prometheus(temp_root, a.metrics_port)
     state["tracking"] = tracking_ready(tracking, a.tracking_port) if tracking else None
     state_file().write_text(json.dumps(state, indent=2) + "\n")
     written = the_record(state).write(CONFIG)
     total = sum(n["Resources"].get("CPU", 0) for n in nodes)
     print(f"local Ray cluster up: {len(nodes)} nodes, {total:g} CPUs; dashboard and job API at "
-          f"{state['dashboard']} (token auth on)")
+          f"{state['dashboard']} (the gateway: the cluster's token or a person's credential, "
+          f"dlcluster user add)")
     print(f"client env: source {CONFIG / record.CLIENT_ENV}")
     print(f"cluster record: {written}, current as {CONFIG / record.RECORD}")
 
@@ -441,6 +492,7 @@ def down(_: argparse.Namespace) -> None:
     st = json.loads(state_file().read_text())
     port = int(st["gcs"].rsplit(":", 1)[1])
     stop_group(st.get("tracking_pid"))
+    stop_group(st.get("gateway_pid"))
     pids = cluster_pids(st["temp_root"], port)
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         for pid in pids:

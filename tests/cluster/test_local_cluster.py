@@ -47,14 +47,21 @@ def http_get(port: int, path: str, token: str | None = None) -> tuple[int, str]:
 def test_nodes_joined_and_token_is_required(cluster):
     nodes = alive_node_ids(cluster)
     assert len(nodes) == 2, nodes
-    # Ray's token check on the dashboard and job API: no token 401, a wrong one 403, the record's 200
+    # the gateway's check on the dashboard and job API: no credential 401, a wrong one 403, the
+    # record's token 200; and behind it, Ray's own on its own port (the same answers, Ray's words)
     token = Path(record.load(cluster.config / record.RECORD).token_path).read_text().strip()
     assert http_get(cluster.dashboard_port, "/api/v0/nodes") == (
-        401, "Unauthorized: Missing authentication token")
+        401, "Unauthorized: Missing authentication token: put your credential where Ray's client reads its "
+             "token (export RAY_AUTH_TOKEN_PATH=<its file>)\n")
     assert http_get(cluster.dashboard_port, "/api/v0/nodes", "0" * len(token)) == (
-        403, "Forbidden: Invalid authentication token")
+        403, "Forbidden: unknown credential: ask an admin for yours (dlcluster user add)\n")
     status, body = http_get(cluster.dashboard_port, "/api/v0/nodes", token)
     assert status == 200 and all(node in body for node in nodes), (status, body[:2000])
+    ray_port = ray_dashboard_port(cluster.config)
+    assert ray_port != cluster.dashboard_port
+    assert http_get(ray_port, "/api/v0/nodes") == (401, "Unauthorized: Missing authentication token")
+    assert http_get(ray_port, "/api/v0/nodes", "0" * len(token)) == (
+        403, "Forbidden: Invalid authentication token")
     # and the CLI without the record's env (or a token file to fall back on) is refused with it
     no_token = {k: v for k, v in cluster.client_env().items() if not k.startswith("RAY_AUTH")}
     no_token["HOME"] = str(cluster.config)  # no ~/.ray/auth_token to fall back on
@@ -67,6 +74,12 @@ def test_nodes_joined_and_token_is_required(cluster):
 def temp_root_of(config) -> str:
     """The local cluster's temp folder, as its state file records it."""
     return json.loads((config / "clusters" / "local" / "state.json").read_text())["temp_root"]
+
+
+def ray_dashboard_port(config) -> int:
+    """The port of Ray's own dashboard, behind the gateway, as the state file records it."""
+    return int(json.loads((config / "clusters" / "local" / "state.json").read_text())["ray_dashboard"]
+               .rsplit(":", 1)[1])
 
 
 def test_token_and_folders_are_private_and_outside_the_repo(cluster):
@@ -105,8 +118,9 @@ def listening_addresses(port):
 
 
 def test_dashboard_and_job_api_listen_on_loopback_only(cluster):
-    addrs = listening_addresses(cluster.dashboard_port)
-    assert addrs and all(a == "0100007F" for a in addrs), addrs  # 127.0.0.1
+    for port in (cluster.dashboard_port, ray_dashboard_port(cluster.config)):  # the gateway's, Ray's own
+        addrs = listening_addresses(port)
+        assert addrs and all(a == "0100007F" for a in addrs), (port, addrs)  # 127.0.0.1
 
 
 def test_status_prints_nodes_and_resources(cluster):
@@ -137,7 +151,10 @@ def test_down_stops_only_its_own_cluster(cluster, tmp_path):
         other_root = temp_root_of(tmp_path)
         other_pids = cluster_pids(other_root, 6395)
         assert other_pids and not set(other_pids) & set(main_pids)
+        gateway = json.loads((tmp_path / "clusters/local/state.json").read_text())["gateway_pid"]
+        assert os.path.exists(f"/proc/{gateway}")
         assert "stopped" in other.script("down").stdout
+        assert not os.path.exists(f"/proc/{gateway}")  # its gateway too
         assert not (tmp_path / "cluster.json").exists()  # its record goes with it
         assert (cluster.config / "cluster.json").exists()
         assert cluster_pids(other_root, 6395) == []  # Ray Client server too

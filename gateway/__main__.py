@@ -1,0 +1,50 @@
+"""python -m gateway: the gateway's server (dlc-gateway.service on a cluster's head; the local
+cluster's start runs it too).
+
+    python -m gateway --listen unix:/run/dlc-gateway/gateway.sock --upstream http://10.0.0.1:8265 \\
+        --token-file $CREDENTIALS_DIRECTORY/ray_token --data /var/lib/dlc-gateway
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.app import Gateway
+from gateway.store import Store
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--listen", required=True, help="unix:PATH (a socket) or HOST:PORT")
+    p.add_argument("--upstream", required=True, help="Ray's dashboard, e.g. http://10.0.0.1:8265")
+    p.add_argument("--token-file", required=True, type=Path, help="the cluster's Ray token")
+    p.add_argument("--data", required=True, type=Path, help="its database and the jobs' logs")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between two looks at Ray's jobs")
+    p.add_argument("--retention-days", type=float, default=90.0,
+                   help="days a job's record and log are kept after it ended")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        token = a.token_file.read_text().strip()
+    except OSError as e:
+        sys.exit(f"gateway: cannot read the cluster's token at {a.token_file} ({e.strerror}): "
+                 f"make cluster-up writes it")
+    gateway = Gateway(Store(a.data), a.upstream, token, a.poll, a.retention_days)
+    os.umask(0o007)  # its socket: the server's account and its group (the tunnels' accounts) only
+    if a.listen.startswith("unix:"):
+        path = a.listen.removeprefix("unix:")
+        Path(path).unlink(missing_ok=True)
+        web.run_app(gateway.app(), path=path, print=None, access_log=None)
+    else:
+        host, _, port = a.listen.rpartition(":")
+        web.run_app(gateway.app(), host=host, port=int(port), print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
