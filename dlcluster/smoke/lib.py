@@ -337,7 +337,8 @@ class Jobs:
         except Exception as e:  # connection refused, 401/403, an old or odd server
             text = " ".join(str(e).split())
             if any(w in text.lower() for w in ("401", "403", "unauthorized", "forbidden", "token")):
-                why = next((w for w in ("Missing authentication token", "Invalid authentication token")
+                why = next((w for w in ("Missing authentication token", "Invalid authentication token",
+                                        "unknown credential")
                             if w.lower() in text.lower()), text[:200])
                 raise UserError(f"the job API {address} refused the token in "
                                 f"{os.environ.get('RAY_AUTH_TOKEN_PATH')} ({why}); check token_path "
