@@ -29,7 +29,7 @@ class Kind(Enum):
 JOB = r"(?P<job>[^/]+)"
 RULES: list[tuple[set[str], re.Pattern[str], Kind]] = [(set(m.split()), re.compile(p), k) for m, p, k in [
     # Ray's public routes (its page loads, then asks for a token)
-    ("GET HEAD", r"/|/favicon\.ico|/static/.+|/api/authentication_mode|/api/healthz|/api/gcs_healthz"
+    ("GET", r"/|/favicon\.ico|/static/.+|/api/authentication_mode|/api/healthz|/api/gcs_healthz"
                  r"|/api/local_raylet_healthz|/-/healthz", Kind.OPEN),
     ("POST", r"/api/authenticate", Kind.SIGN_IN),
     # the job API (ray job submit / list / status / logs / stop / delete)
@@ -55,7 +55,9 @@ RULES: list[tuple[set[str], re.Pattern[str], Kind]] = [(set(m.split()), re.compi
 
 
 def classify(method: str, path: str) -> tuple[Kind, str | None]:
-    """The kind of a request, and the job it names (stop, delete, a job's record or log)."""
+    """The kind of a request, and the job it names (stop, delete, a job's record or log). HEAD is
+    GET without the body (the dashboard asks it of some views)."""
+    method = "GET" if method == "HEAD" else method
     for methods, pattern, kind in RULES:
         if method in methods and (m := pattern.fullmatch(path)):
             return kind, m.groupdict().get("job")

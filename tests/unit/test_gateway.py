@@ -89,6 +89,8 @@ def test_the_owner_a_client_sends_is_overwritten():
     ("POST", "/api/authenticate", Kind.SIGN_IN, None),
     ("GET", "/nodes", Kind.READ, None),
     ("GET", "/api/v0/tasks/summarize", Kind.READ, None),
+    ("HEAD", "/api/v0/platform_events", Kind.READ, None),
+    ("HEAD", "/api/jobs/", Kind.JOBS, None),
     ("GET", "/api/serve/applications/", Kind.READ, None),
     # anything else Ray serves is for admins: profiling, tracebacks, Serve's writes, the state API's
     # other routes, the job agent's own API, a route a newer Ray adds, a method other than listed
