@@ -140,6 +140,10 @@ COMMANDS: dict[str, Command] = {
     "bench-ae": Command("runs jobs on the current cluster, changes no setting: the autoencoder at workers "
                         "1, 2 x batch 64, 128", "bench-ae", _module("dlcluster.bench.bench_autoencoder"),
                         "bench"),
+    "bench-gateway": Command("starts a Ray head and a gateway of its own on this machine, then stops them: "
+                             "what the gateway adds to each job API call and to a followed log, side by "
+                             "side; bench-gateway.json and .png under --out", "bench-gateway",
+                             _module("dlcluster.bench.gateway"), "bench"),
     "image-report": Command("changes nothing: the image's size per layer group and its build times",
                             "image-report", _module("dlcluster.image_report")),
 }

@@ -246,9 +246,17 @@ class Gateway:
         """A job's record or log: Ray's while it knows the job, the gateway's after."""
         assert job_id
         kept = self.store.job(job_id)
-        if kept is None or kept["details"] is None or await self.ray_job(job_id) is not None:
+        if kept is None or kept["details"] is None:
             return await self.forward(request)
-        log = self.store.log_path(job_id)
+        if not request.path.endswith("/logs/tail"):  # Ray's answer, unless it no longer knows the job
+            return await self.forward(request, unknown=lambda: self.kept(request, kept))
+        if await self.ray_job(job_id) is not None:  # (a websocket: asked first)
+            return await self.forward(request)
+        return await self.kept(request, kept)
+
+    async def kept(self, request: web.Request, kept: dict[str, Any]) -> web.StreamResponse:
+        """A job's record or log as the gateway kept them, in Ray's form."""
+        log = self.store.log_path(kept["id"])
         text = log.read_text(errors="replace") if log.exists() else ""
         if request.path.endswith("/logs/tail"):
             ws = web.WebSocketResponse()
@@ -316,7 +324,11 @@ class Gateway:
         return web.json_response({"name": name, "team": team, "credential": made, "expires": expires})
 
     # ---- forwarding
-    async def forward(self, request: web.Request, auth: bool = True) -> web.StreamResponse:
+    async def forward(self, request: web.Request, auth: bool = True,
+                      unknown: Callable[[], Awaitable[web.StreamResponse]] | None = None,
+                      ) -> web.StreamResponse:
+        """The request as Ray's, with the cluster's token; Ray's answer streamed back (`unknown`'s
+        instead where Ray answers 404 and one is given)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP | CREDENTIALS}
         if auth:
             headers.update(self.ray_auth)
@@ -327,6 +339,8 @@ class Gateway:
         body = request.content if request.body_exists else None
         async with self.session.request(request.method, url, headers=headers, data=body,
                                         allow_redirects=False) as upstream:
+            if upstream.status == 404 and unknown is not None:
+                return await unknown()
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
                 if k.lower() not in HOP and k.lower() != "set-cookie":

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import BIN, REPO
 
 JOB = """\
@@ -138,3 +139,48 @@ def jobs_json(cluster) -> str:
                                  headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return r.read().decode()
+
+
+def test_the_dashboard_takes_a_persons_credential_in_a_browser(cluster, tmp_path):
+    """Ray's dashboard through the local cluster's gateway, in the distribution's Chromium: its sign-in
+    dialog takes a person's own credential, the jobs view lists their job, and no view of the ones a
+    person opens sends the dialog back (a view the allow-list refused would: the dashboard reads a
+    403 as a wrong token)."""
+    from tests.browser import LAUNCH_ARGS, chromium
+
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no Chromium here and no apt-get as root to install the distribution's")
+    from playwright.sync_api import sync_playwright
+
+    dana = person(cluster, tmp_path, "dana", "vision")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(JOB)
+    done = ray(cluster, dana, "submit", "--working-dir", ".", "--", "python", "job.py", "0", cwd=work)
+    (job,) = set(re.findall(r"raysubmit_\w+", done.stdout))
+    field = 'input[placeholder="Enter your authentication token"]'
+    base = f"http://127.0.0.1:{cluster.dashboard_port}"
+    png = tmp_path / "dashboard-signed-in-as-a-person.png"
+    with sync_playwright() as p:
+        chrome = p.chromium.launch(executable_path=browser, args=LAUNCH_ARGS)
+        try:
+            page = chrome.new_page(viewport={"width": 1280, "height": 720})
+            refused = []
+            page.on("response", lambda r: refused.append(r.url) if r.status == 403 else None)
+            page.goto(f"{base}/")
+            page.wait_for_selector(field, timeout=60_000)
+            page.fill(field, dana.read_text().strip())
+            page.keyboard.press("Enter")
+            page.wait_for_selector(field, state="detached", timeout=60_000)
+            page.goto(f"{base}/#/jobs")
+            page.wait_for_selector(f"text={job}", timeout=120_000)
+            page.screenshot(path=str(png))
+            for view in ("#/overview", "#/cluster", "#/actors", "#/logs"):
+                page.goto(f"{base}/{view}")
+                page.wait_for_load_state("networkidle", timeout=60_000)
+                assert page.query_selector(field) is None, view
+        finally:
+            chrome.close()
+    print(f"screenshot: {png}")
+    assert refused == [], refused
