@@ -50,11 +50,12 @@ def last_runs(url: str, mlflow, last: int) -> str:
     rows = []
     for r in found:
         t, m = r.data.tags, r.data.metrics
-        rows.append([r.info.run_name, t.get("dlc.job", "-"), t.get("dlc.commit", "-")[:12],
+        rows.append([r.info.run_name, t.get("dlc.owner", "-"), t.get("dlc.job", "-"),
+                     t.get("dlc.commit", "-")[:12],
                      str(int(m["epoch"])) if "epoch" in m else "0", final_metric(m),
                      t.get("dlc.restarts", "-"), t.get("dlc.model_sha256", "-")[:12],
                      r.info.status.lower()])
-    return table(rows, ["run", "job", "commit", "epochs", "validation", "restarts", "model sha256",
+    return table(rows, ["run", "owner", "job", "commit", "epochs", "validation", "restarts", "model sha256",
                         "state"])
 
 
@@ -75,7 +76,8 @@ def one_run(url: str, mlflow, name: str) -> str:
     rows = [[str(e), *(f"{by_epoch[e][k]:.4g}" if k in by_epoch[e] else "-" for k in keys)]
             for e in sorted(by_epoch)]
     t = r.data.tags
-    head = (f"run {name} ({t.get('dlc.job', '-')}, commit {t.get('dlc.commit', '-')[:12]}, "
+    head = (f"run {name} ({t.get('dlc.job', '-')} of {t.get('dlc.owner', '-')}, "
+            f"commit {t.get('dlc.commit', '-')[:12]}, "
             f"{t.get('dlc.launcher', '-')} x{t.get('dlc.world_size', '-')}, {r.info.status.lower()}, "
             f"restarts {t.get('dlc.restarts', '-')}, model sha256 {t.get('dlc.model_sha256', '-')[:12]})\n"
             f"page: {tracking.run_page(url, r.info.experiment_id, r.info.run_id)}\n")

@@ -211,6 +211,9 @@ def _start(url: str, job: Job[W, C], params: dict[str, str], run: Run, world_siz
             "dlc.world_size": str(world_size), "dlc.cluster": cluster or _cluster_name(),
             "dlc.commit": _commit(), "mlflow.source.git.commit": _commit().removesuffix("-dirty"),
             "dlc.package": _package()}
+    for field in ("owner", "team"):  # whose run: the gateway sets them from the submitter's credential
+        if value := os.environ.get(f"DLC_JOB_{field.upper()}"):
+            tags[f"dlc.{field}"] = value
     if found:
         tags["dlc.resumed"] = str(int(mlrun.data.tags.get("dlc.resumed", "0")) + 1)
     if changed:  # params cannot change in MLflow: a resumed run with other flags says so

@@ -127,9 +127,10 @@ def test_a_resumed_run_continues_its_mlflow_run(mlflow, tracked):
 def test_make_runs_lists_the_run_and_its_epochs(cluster, tracked):
     listing = make_runs(cluster)
     head, *rows = listing.splitlines()
-    assert head.split()[:4] == ["run", "job", "commit", "epochs"], listing
+    assert head.split()[:5] == ["run", "owner", "job", "commit", "epochs"], listing
     row = next(r for r in rows if r.split()[0] == "tracked").split()
-    assert row[1:4] == ["ddp_autoencoder", tracked["last"]["git_commit"][:12], "3"], row
+    # submitted with the cluster's token: the gateway's operator owns it
+    assert row[1:5] == ["operator", "ddp_autoencoder", tracked["last"]["git_commit"][:12], "3"], row
     assert row[-2:] == [tracked["last"]["model_sha256"][:12], "finished"], row
     per_epoch = make_runs(cluster, "RUN=tracked")
     table = per_epoch.splitlines()[2:]  # after the run's line and its page

@@ -306,7 +306,7 @@ def test_the_run_history_holds_the_readme_run_behind_its_sign_in(emulated, readm
     env = {**emulated.env, "MAKEFLAGS": ""}
     listing = run(make, env, timeout=300, check=True).stdout.splitlines()
     row = next(line.split() for line in listing if line.split()[:1] == [readme_run.name])
-    assert row[1:4] == ["ddp_autoencoder", manifest["git_commit"][:12], str(epochs)], row
+    assert row[2:5] == ["ddp_autoencoder", manifest["git_commit"][:12], str(epochs)], row  # after its owner
     assert row[-2:] == [manifest["model_sha256"][:12], "finished"], row
     per_epoch = run([*make, f"RUN={readme_run.name}"], env, timeout=300, check=True).stdout.splitlines()
     table = per_epoch[per_epoch.index(next(x for x in per_epoch if x.split()[:1] == ["epoch"])):]
