@@ -100,9 +100,9 @@ def test_the_first_cluster_up_recorded_the_performance_baseline(emulated):
 
 
 def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated, tmp_path):
-    """The quick start in its order: make demo (a local cluster on 127.0.0.1:8265, left running),
-    then make test. The emulated cluster came up beside it on the tier's own tunnel port; both
-    answer as Ray's job API does (401 without the token, the jobs with the cluster's own), and the
+    """The quick start in its order: make demo (a local cluster on 127.0.0.1:8265, its gateway's, left
+    running), then make test. The emulated cluster came up beside it on the tier's own tunnel port;
+    both answer as Ray's job API does (401 without the token, the jobs with the cluster's own), and the
     demo's port is another cluster (the emulated cluster's token refused there). cluster-up of the
     servers on the default ports, the README's next step, stops first with one line naming the
     port the demo holds and its holder. The local cluster is then stopped, if this tier started
@@ -135,7 +135,7 @@ def test_it_runs_beside_the_local_cluster_make_demo_leaves(emulated, tmp_path):
         print(f"{took:.0f} s: {last}")
         assert proc.returncode != 0 and untouched(proc) and "PLAY [Nodes" not in proc.stdout
         held = (rf"port {DEMO_PORT} here \(the tunnel's local end, DASHBOARD_PORT\) is held by \S+ \(pid "
-                r"\d+, user \S+\): Ray's dashboard \(the local cluster's\?\); make cluster-down stops the "
+                r"\d+, user \S+\): the job gateway \(the local cluster's\?\); make cluster-down stops the "
                 r"local cluster, or set DASHBOARD_PORT to a free port")
         assert re.search(held, last), last
         assert "; nothing was changed (log: " in last and took < 120, (took, last)

@@ -22,6 +22,7 @@ KNOWN = (  # a word of the holder's command line -> what it is, and how to free 
     ("mlflow", "the local cluster's run history", "make cluster-down stops the local cluster"),
     ("prometheus", "Prometheus (the local cluster's?)", "make cluster-down stops the local cluster's"),
     ("grafana", "Grafana", "stop it"),
+    ("gateway", "the job gateway (the local cluster's?)", "make cluster-down stops the local cluster"),
     ("dashboard", "Ray's dashboard (the local cluster's?)", "make cluster-down stops the local cluster"),
     ("ray", "a Ray process (the local cluster's?)", "make cluster-down stops the local cluster"),
     ("ssh", "an ssh tunnel (another cluster's, or a run of this one that was stopped)",
