@@ -117,8 +117,11 @@ def jobs_main(argv: list[str]) -> None:
 def logs_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="dlcluster logs",
                                 description="a job's driver log, as the gateway kept it")
-    p.add_argument("job", metavar="ID", help="its submission id (dlcluster jobs lists them)")
+    p.add_argument("job", metavar="ID", nargs="?", default="",
+                   help="its submission id (dlcluster jobs lists them)")
     a = p.parse_args(argv)
+    if not a.job:
+        p.exit(2, "logs: error: name the job: make logs ID=<its submission id> (make jobs lists them)\n")
     print(call("GET", f"/gateway/jobs/{a.job}/log"), end="")
 
 

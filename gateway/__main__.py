@@ -1,8 +1,9 @@
-"""python -m gateway: the gateway's server (dlc-gateway.service on a cluster's head; the local
-cluster's start runs it too).
+"""python -m gateway: the gateway's server (the local cluster's start runs it; on a cluster's head,
+systemd will, once its role lands).
 
-    python -m gateway --listen unix:/run/dlc-gateway/gateway.sock --upstream http://10.0.0.1:8265 \\
-        --token-file $CREDENTIALS_DIRECTORY/ray_token --data /var/lib/dlc-gateway
+    python -m gateway --listen unix:/run/dlc-gateway/gateway.sock \\
+        --upstream http://<the head's private address>:8265 --token-file <the cluster's ray_token> \\
+        --data /var/lib/dlc-gateway
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from gateway.store import Store
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
     p.add_argument("--listen", required=True, help="unix:PATH (a socket) or HOST:PORT")
-    p.add_argument("--upstream", required=True, help="Ray's dashboard, e.g. http://10.0.0.1:8265")
+    p.add_argument("--upstream", required=True,
+                   help="Ray's dashboard on the head, e.g. http://<its private address>:8265")
     p.add_argument("--token-file", required=True, type=Path, help="the cluster's Ray token")
     p.add_argument("--data", required=True, type=Path, help="its database and the jobs' logs")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between two looks at Ray's jobs")
