@@ -417,6 +417,33 @@ def ray_nodes(rec: record.ClusterRecord) -> list[dict] | None:
         return None
 
 
+def audit_chain(rec: record.ClusterRecord, head: str) -> list[Finding]:
+    """The gateway's audit trail, read through the job API (the gateway's) and its chain checked here,
+    not taken on the gateway's word: an entry changed or removed below the gateway is named."""
+    from gateway.store import verify
+
+    req = urllib.request.Request(f"{rec.job_api}/gateway/audit")
+    req.add_header("Authorization", f"Bearer {Path(rec.token_path).read_text().strip()}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            entries = json.loads(r.read())["entries"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return [Finding(node=head, what=f"the job API at {rec.job_api} is Ray's own, not the job "
+                                            f"gateway's", fix="make cluster-up (it installs the gateway on "
+                                                              "the head and ends the tunnel on it)")]
+        return []  # the gateway answers, refusing: the job API's own check names it
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return []  # no answer: named once, with the job API
+    broken = verify(entries)
+    if broken is None:
+        return []
+    return [Finding(node=head, what=f"the gateway's audit trail is broken: {broken}",
+                    fix="someone changed the gateway's database on the head below the gateway "
+                        "(gateway_data_dir/gateway.db): find who (the file's times, the head's logins, "
+                        "journalctl); the trail is left as it is, as evidence")]
+
+
 def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: float,
            min_cert_days: float = 30, only: str | None = None) -> tuple[list[Finding], dict]:
     started = time.time()
@@ -448,6 +475,8 @@ def doctor(rec: record.ClusterRecord, min_free_gb: float, max_clock_offset: floa
     if seen is None:
         found.append(Finding(node=head.name, what=f"the job API at {rec.job_api} does not answer",
                              fix="make attach INVENTORY=... (it opens the tunnel), or make cluster-up"))
+    elif only is None or only == head.name:
+        found += audit_chain(rec, head.name)
     report = {"cluster": rec.name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "seconds": round(time.time() - started, 1),
               "findings": [f.model_dump() for f in found],

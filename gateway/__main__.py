@@ -1,5 +1,5 @@
 """python -m gateway: the gateway's server (the local cluster's start runs it; on a cluster's head,
-systemd will, once its role lands).
+systemd does, from roles/gateway).
 
     python -m gateway --listen unix:/run/dlc-gateway/gateway.sock \\
         --upstream http://<the head's private address>:8265 --token-file <the cluster's ray_token> \\
@@ -9,8 +9,10 @@ systemd will, once its role lands).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -38,15 +40,31 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: cannot read the cluster's token at {a.token_file} ({e.strerror}): "
                  f"make cluster-up writes it")
     gateway = Gateway(Store(a.data), a.upstream, token, a.poll, a.retention_days)
-    os.umask(0o007)  # its socket: the server's account and its group (the tunnels' accounts) only
-    if a.listen.startswith("unix:"):
-        path = a.listen.removeprefix("unix:")
-        Path(path).unlink(missing_ok=True)
-        web.run_app(gateway.app(), path=path, print=None, access_log=None)
-    else:
-        host, _, port = a.listen.rpartition(":")
-        web.run_app(gateway.app(), host=host, port=int(port), print=None, access_log=None)
+    asyncio.run(serve(gateway.app(), a.listen))
 
+
+async def serve(app: web.Application, listen: str) -> None:
+    """The server until SIGTERM or SIGINT (systemd's stop). On a Unix socket (a head's), the socket
+    is left open to all: its folder (made by the unit, 0750) decides who may enter."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    if listen.startswith("unix:"):
+        path = listen.removeprefix("unix:")
+        Path(path).unlink(missing_ok=True)
+        site: web.BaseSite = web.UnixSite(runner, path)
+        await site.start()
+        os.chmod(path, 0o666)
+    else:
+        host, _, port = listen.rpartition(":")
+        site = web.TCPSite(runner, host, int(port))
+        await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("gateway").info("serving on %s", listen)
+    await stop.wait()
+    await runner.cleanup()
 
 if __name__ == "__main__":
     main()

@@ -347,27 +347,35 @@ def test_nodes_are_reachable_only_through_the_bastion(emulated, tmp_path):
 
 
 def test_job_api_needs_the_token_and_listens_on_the_private_address(emulated):
-    assert emulated.api("/api/jobs/")[0] == 401  # Ray's: missing
-    assert emulated.api("/api/jobs/", "0" * 64)[0] == 403  # Ray's: invalid
+    assert emulated.api("/api/jobs/")[0] == 401  # the gateway's: missing
+    assert emulated.api("/api/jobs/", "0" * 64)[0] == 403  # the gateway's: unknown
     assert emulated.api("/api/jobs/", emulated.token())[0] == 200
+    # behind it, on the head, Ray's own check: the head's address without the token, refused
+    behind = emulated.ssh("node-1", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                          "http://172.31.251.11:8265/api/jobs/").stdout
+    assert behind == "401", behind
     listen = emulated.ssh("node-1", "ss", "-ltn").stdout
     dashboard = [line.split()[3] for line in listen.splitlines() if line.split()[3:4]
                  and line.split()[3].endswith(":8265")]
     assert dashboard == ["172.31.251.11:8265"], listen
     # the tunnel is an ssh session with the head (through the bastion): a connection held open
-    # through it reaches the job API from the head's own sshd, none from the bastion, so the token
-    # in its requests crosses the private network inside ssh only
+    # through it reaches the job gateway's socket from the head's own sshd, and nothing reaches the
+    # job API's port from the bastion, so a credential in its requests crosses the private network
+    # inside ssh only
     with socket.create_connection(("127.0.0.1", PORT), timeout=30) as held:
         held.sendall(b"GET /api/version HTTP/1.1\r\nHost: x\r\n")  # unfinished: the connection stays
         deadline, peers = time.time() + 30, []
         while not peers and time.time() < deadline:
-            open_ = emulated.ssh("node-1", "sudo", "ss", "-Htnp", "state", "established", "dport", "=",
-                                 ":8265")
-            peers = [line.split()[2] for line in open_.stdout.splitlines() if "sshd" in line]
+            open_ = emulated.ssh("node-1", "sudo", "ss", "-Hxp")
+            # the gateway's accepted ends (its socket's path, then the peer's inode), and whose the
+            # peers are: sshd's (netid, state, queues, local path and inode, peer and inode, users)
+            rows = [line.split() for line in open_.stdout.splitlines()]
+            accepted = {r[7] for r in rows if len(r) > 7 and r[4] == "/run/dlc-gateway/gateway.sock"}
+            peers = [r for r in rows if len(r) > 8 and r[5] in accepted and "sshd" in r[8]]
             time.sleep(0.5)
         from_bastion = emulated.ssh("bastion", "ss", "-Htn", "state", "established", "dport", "=",
                                     ":8265").stdout
-    assert peers and all(p.startswith("172.31.251.11:") for p in peers), peers
+    assert peers, open_.stdout[-3000:]
     assert from_bastion.strip() == "", from_bastion
     # Ray binds the GCS and the raylet to every interface: the DLC-INPUT chain, first in INPUT,
     # lets only ssh in from outside the private network, IPv4 and IPv6

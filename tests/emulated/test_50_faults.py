@@ -16,6 +16,7 @@ import time
 import pytest
 from conftest import (
     BIN,
+    DLCLUSTER,
     NODES,
     PORT,
     REPO,
@@ -160,6 +161,14 @@ def test_after_the_heads_ray_restarts_smoke_passes_while_an_outsider_finds_only_
     assert sorted(emulated.wait_for_nodes(3, timeout=300)) == sorted(NODES.values())
     lost = first.communicate(timeout=120)[0]
     assert first.returncode != 0 and "succeeded" not in lost, lost[-3000:]
+    # the job gateway kept the lost job's record and log, also across its own restart (issue 70)
+    emulated.ssh("node-1", "sudo", "systemctl", "restart", "dlc-gateway", timeout=120).check_returncode()
+    deadline = time.time() + 60
+    while (kept := run([DLCLUSTER, "jobs"], emulated.env)).returncode != 0 and time.time() < deadline:
+        time.sleep(1)
+    assert re.search(rf"^{re.escape(name)}\s+operator\s+operators\s+FAILED", kept.stdout, re.M), kept.stdout
+    log = run([DLCLUSTER, "logs", name], emulated.env)
+    assert log.returncode == 0 and "epoch" in log.stdout.lower(), log.stdout[-2000:] + log.stderr
     before = latest_checkpoint(emulated, name)
     resumed = subprocess.Popen([*make, "resume", f"RUN={name}"], cwd=REPO, env=emulated.env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

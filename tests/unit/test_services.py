@@ -126,15 +126,16 @@ def forwards(roles: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 def test_the_tunnel_forwards_each_service_the_cluster_runs(tmp_path):
     head = "172.31.251.11"
+    gateway = "/run/dlc-gateway/gateway.sock"  # the job API's door: the gateway's socket (head_socket)
     assert forwards(ANSIBLE / "roles", tmp_path) == [
-        f"127.0.0.1:8265:{head}:8265", f"127.0.0.1:9090:{head}:9090", f"127.0.0.1:3000:{head}:3000",
+        f"127.0.0.1:8265:{gateway}", f"127.0.0.1:9090:{head}:9090", f"127.0.0.1:3000:{head}:3000",
         "127.0.0.1:5000:/run/dlc-mlflow/server.sock"]  # the run history listens on its socket (head_socket)
     # Grafana needs the metrics stack: off with either; the run history off alone
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_metrics=false", "-e", "dlc_tracking=false") == [
-        f"127.0.0.1:8265:{head}:8265"]
+        f"127.0.0.1:8265:{gateway}"]
     assert forwards(ANSIBLE / "roles", tmp_path, "-e", "dlc_grafana=false", "-e",
                     "dlc_tunnel_port=18265") == [
-        f"127.0.0.1:18265:{head}:8265", f"127.0.0.1:9090:{head}:9090",
+        f"127.0.0.1:18265:{gateway}", f"127.0.0.1:9090:{head}:9090",
         "127.0.0.1:5000:/run/dlc-mlflow/server.sock"]
 
 
