@@ -68,7 +68,7 @@ DLC  := $(VENV)/bin/dlcluster
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock cluster-up cluster-status token grafana-password tracking-password runs users jobs logs audit cluster-down attach rotate-token remove-node upgrade submit resume demo test leftovers check test-unit \
-        test-cluster test-gpu stage-gpu lint bench bench-ae bench-gateway clean smoke baseline doctor unquarantine emulate-up emulate-down emulate-purge emulate-status test-emulated
+        test-cluster test-gpu stage-gpu lint bench bench-ae bench-gateway bench-queue clean smoke baseline doctor unquarantine emulate-up emulate-down emulate-purge emulate-status test-emulated
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-z-]+:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -177,6 +177,9 @@ bench-ae: setup ## the tutorial's table: workers 1,2 x batch 64,128 on the curre
 
 bench-gateway: setup ## what the job gateway adds to each job API call and to a followed log, against Ray directly (a head and a gateway of its own, here)
 	@$(DLC) bench-gateway $(ARGS)
+
+bench-queue: setup ## the queue's policy (issue 71) over a month's trace of a 4-team, 8-GPU cluster in its simulator, beside FIFO: each team's GPU-hours against its due, waits, utilisation
+	@$(DLC) bench-queue $(ARGS)
 
 clean: ## remove the checkout's .venv (the cached environment it is made over stays in DLC_CACHE)
 	rm -rf $(VENV)

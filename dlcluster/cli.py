@@ -144,6 +144,9 @@ COMMANDS: dict[str, Command] = {
                              "what the gateway adds to each job API call and to a followed log, side by "
                              "side; bench-gateway.json and .png under --out", "bench-gateway",
                              _module("dlcluster.bench.gateway"), "bench"),
+    "bench-queue": Command("changes nothing: the queue's policy replayed over a synthetic month of a 4-team, "
+                           "8-GPU cluster in its simulator, fair share beside FIFO; fairshare.json and .png "
+                           "under --out", "bench-queue", _module("gateway.simulate"), "bench"),
     "image-report": Command("changes nothing: the image's size per layer group and its build times",
                             "image-report", _module("dlcluster.image_report")),
 }
