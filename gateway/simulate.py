@@ -149,18 +149,19 @@ def simulate(
 
 
 def make_trace(
-    teams: dict[str, float], days: float, gpus: int, seed: int = 1, load: float = 0.9
+    teams: dict[str, float], days: float, gpus: int, seed: int = 1, load: float = 0.9, widest: int = 8
 ) -> list[Work]:
     """Jobs of each team arriving at random (Poisson), `teams` giving each one's part of the demand;
-    1, 2, 4 or 8 GPUs (no more than the cluster has), an hour to two days long, checkpointing every
-    30 minutes; in all about `load` times what the cluster's GPUs can serve in `days`."""
+    1, 2, 4 or 8 GPUs (no more than the cluster has, nor `widest`), an hour to two days long,
+    checkpointing every 30 minutes; in all about `load` times what the cluster's GPUs can serve in
+    `days`."""
     rng = random.Random(seed)
     trace: list[Work] = []
     horizon = days * 86400
     for team, part in sorted(teams.items()):
         t, n = 0.0, 0
         while True:
-            width = rng.choice([w for w in (1, 1, 2, 2, 4, 8) if w <= gpus])
+            width = rng.choice([w for w in (1, 1, 2, 2, 4, 8) if w <= min(gpus, widest)])
             work = rng.choice([1, 2, 4, 8, 12, 24, 48]) * 3600.0
             t += rng.expovariate(1.0) * (width * work) / (load * part * gpus)
             if t > horizon:
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--days", type=float, default=30)
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--widest", type=int, default=8, help="the most GPUs one job asks for")
     p.add_argument("--load", type=float, default=0.9, help="the demand, as a part of what the GPUs can serve")
     config = Path(os.environ.get("DLC_CONFIG", "~/.config/dlcluster")).expanduser()
     p.add_argument("--out", type=Path, default=config / "bench", help="for fairshare.json and .png")
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     teams = {"vision": 0.4, "nlp": 0.3, "speech": 0.2, "rl": 0.1}  # each one's part of the demand
     shares = {t: Res(gpus=a.gpus // len(teams), cpus=8 * a.gpus // len(teams)) for t in teams}
     capacity = Res(gpus=a.gpus, cpus=8 * a.gpus)
-    trace = make_trace(teams, a.days, a.gpus, a.seed, a.load)
+    trace = make_trace(teams, a.days, a.gpus, a.seed, a.load, a.widest)
     print(
         f"{len(trace)} jobs of {len(teams)} teams over {a.days:g} days on {a.gpus} GPUs "
         f"(equal shares of {a.gpus // len(teams)} GPUs)"
