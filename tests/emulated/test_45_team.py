@@ -119,8 +119,9 @@ def test_a_team_shares_the_cluster_through_the_gateway(emulated, tmp_path):
                  r"carol\s+GET /api/\S+\s+refused"]:
         assert re.search(step, trail.stdout), (step, trail.stdout[-4000:])
     assert "uid " in trail.stdout and "on the head" in trail.stdout  # from where: the tunnel's account
-    # an entry changed below the gateway, on the head: make doctor names it
-    below_the_gateway(emulated, "UPDATE audit SET actor = 'mallory' WHERE action = 'submit'")
+    # alice's submission's entry changed below the gateway, on the head: make doctor names it
+    (seq,) = re.findall(rf"^(\d+)\s+\S+ \S+\s+alice\s+submit\s+{job}\s", trail.stdout, re.M)
+    below_the_gateway(emulated, f"UPDATE audit SET actor = 'mallory' WHERE seq = {seq}")
     try:
         deadline = time.time() + 60
         while dlcluster(root, "jobs").returncode != 0 and time.time() < deadline:
@@ -129,9 +130,9 @@ def test_a_team_shares_the_cluster_through_the_gateway(emulated, tmp_path):
                                 capture_output=True, text=True, timeout=600)
         said = doctor.stdout + doctor.stderr
         assert doctor.returncode != 0 and "the gateway's audit trail is broken: entry" in said and \
-            "(submit by mallory) was changed after it was written" in said, said[-3000:]
+            f"entry {seq} (submit by mallory) was changed after it was written" in said, said[-3000:]
     finally:  # the entry put back as it was (the tests after this one read a healthy cluster's doctor)
-        below_the_gateway(emulated, "UPDATE audit SET actor = 'alice' WHERE actor = 'mallory'")
+        below_the_gateway(emulated, f"UPDATE audit SET actor = 'alice' WHERE seq = {seq}")
     deadline = time.time() + 60
     while dlcluster(root, "jobs").returncode != 0 and time.time() < deadline:
         time.sleep(1)
